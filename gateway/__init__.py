@@ -1,0 +1,19 @@
+"""memgate: a memory-aware reverse proxy for LLM APIs."""
+
+from .app import create_app
+from .chat import Decision, decide
+from .policy import Limits, Plan, PlanRules, plan
+from .rules import Rules, load_rules
+
+__all__ = [
+    "Decision",
+    "Limits",
+    "Plan",
+    "PlanRules",
+    "Rules",
+    "create_app",
+    "decide",
+    "load_rules",
+    "plan",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,106 @@
+"""create_app(): routes and resources; nothing happens at import time."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from . import logging as mglog
+from .reload import Reloader
+from .rules import Rules
+from .tokens import Tokenizers
+from .upstream import UpstreamPool
+
+
+@dataclass
+class GatewayState:
+    """Everything a running gateway changes at runtime, behind one AppKey."""
+
+    reloader: Reloader
+    tokenizers: Tokenizers
+    pool: UpstreamPool = field(default_factory=UpstreamPool)
+    log: Any = None
+
+    @property
+    def rules(self) -> Rules:
+        return self.reloader.rules
+
+
+STATE = web.AppKey("memgate_state", GatewayState)
+
+
+def _preload_tokenizers(state: GatewayState, rules: Rules) -> None:
+    """Load every configured encoding now and say which one serves which models."""
+    names = {rules.default_encoding} | {m.encoding for m in rules.models}
+    resolved = state.tokenizers.preload(sorted(names))
+    serving: dict[str, list[str]] = {}
+    for m in rules.models:
+        serving.setdefault(m.encoding, []).append(m.match)
+    serving.setdefault(rules.default_encoding, []).append("(default)")
+    for wanted, models in sorted(serving.items()):
+        actual = resolved[wanted]
+        state.log.info("tokenizer", wanted=wanted, encoding=actual,
+                       fallback=actual != wanted, models=",".join(models))
+
+
+def create_app(
+    rules: Rules,
+    config_path: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    watch_interval_s: float = 0.5,
+) -> web.Application:
+    """Build the gateway application for `rules` (reloaded from `config_path` if given)."""
+    from . import handlers
+
+    log = mglog.get_logger()
+
+    def on_swap(old: Rules, new: Rules) -> None:
+        if (old.log_format, old.log_level) != (new.log_format, new.log_level):
+            mglog.configure(new.log_format, new.log_level)
+        if (old.models, old.default_encoding) != (new.models, new.default_encoding):
+            _preload_tokenizers(state, new)
+
+    reloader = Reloader(config_path, env or {}, rules, on_swap, log, watch_interval_s)
+    state = GatewayState(reloader=reloader, tokenizers=Tokenizers(rules.token_cache_size), log=log)
+
+    # the body limit is enforced per request from the live rules (it can be reloaded)
+    app = web.Application(client_max_size=1 << 40)
+    app[STATE] = state
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        _preload_tokenizers(state, state.rules)
+        for up in state.rules.upstreams:
+            state.pool.session(up)
+        watcher = asyncio.create_task(reloader.run()) if config_path else None
+        loop = asyncio.get_running_loop()
+        hup = False
+        try:
+            loop.add_signal_handler(signal.SIGHUP, reloader.reload, "sighup")
+            hup = True
+        except (RuntimeError, NotImplementedError, ValueError):
+            pass  # not the main thread (tests) or no signals on this platform
+        try:
+            yield
+        finally:
+            if hup:
+                loop.remove_signal_handler(signal.SIGHUP)
+            if watcher is not None:
+                watcher.cancel()
+                try:
+                    await watcher
+                except asyncio.CancelledError:
+                    pass
+            await state.pool.close()
+
+    app.cleanup_ctx.append(resources)
+    app.router.add_get("/healthz", handlers.healthz)
+    app.router.add_get("/readyz", handlers.readyz)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_route("*", "/{tail:.*}", handlers.passthrough)
+    return app

@@ -1,0 +1,209 @@
+"""`memgate` command line: serve | demo | check-config | evict."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+
+from . import logging as mglog
+from .errors import GatewayError, RulesError
+from .rules import Rules, describe, load_rules
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def default_config(explicit: str | None, env: Mapping[str, str]) -> Path | None:
+    """--config > MEMGATE_CONFIG > ./rules/gateway.yaml > the install's rules/gateway.yaml."""
+    if explicit:
+        return Path(explicit)
+    if env.get("MEMGATE_CONFIG"):
+        return Path(env["MEMGATE_CONFIG"])
+    for candidate in (Path("rules/gateway.yaml"), PROJECT_ROOT / "rules" / "gateway.yaml"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _load_or_exit(config: Path | None, env: Mapping[str, str]) -> Rules:
+    try:
+        return load_rules(config, env)
+    except RulesError as exc:
+        print(f"memgate: invalid config: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """Run on uvloop when it is installed, else asyncio's default loop."""
+    try:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(main())
+    except ImportError:
+        return asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- serve
+
+
+async def serve_forever(app: Any, host: str, port: int, log: Any) -> int:
+    from aiohttp import web
+
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=30)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024)
+    await site.start()
+    # request-sized object trees are short-lived: keep start-up objects out of every GC pass
+    gc.collect()
+    gc.freeze()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("listening", host=host, port=port)
+    await stop.wait()
+    log.info("shutting_down", drain_s=30)
+    await runner.cleanup()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .app import create_app
+
+    env = dict(os.environ)
+    if args.upstream:
+        env["MEMGATE_UPSTREAM"] = args.upstream
+    config = default_config(args.config, env)
+    rules = _load_or_exit(config, env)
+    mglog.configure(rules.log_format, rules.log_level)
+    log = mglog.get_logger()
+    log.info("config_loaded", file=rules.source, mode=rules.memory.mode,
+             upstream=rules.upstreams[0].base_url)
+    app = create_app(rules, config, env)
+    host = args.host or rules.listen_host
+    port = args.port if args.port is not None else rules.listen_port
+    gc.set_threshold(50_000, 20, 20)
+    return run_async(lambda: serve_forever(app, host, port, log))
+
+
+# --------------------------------------------------------------------------- check-config
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    try:
+        rules = load_rules(Path(args.file), os.environ)
+    except RulesError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    print(yaml.safe_dump(describe(rules), sort_keys=False, allow_unicode=True), end="")
+    print(f"# {args.file}: ok (mode={rules.memory.mode})", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------- evict
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    from .chat import decide
+    from .conversation import is_active
+    from .tokens import Tokenizers
+
+    env = dict(os.environ)
+    rules = _load_or_exit(default_config(args.config, env), env)
+    raw = sys.stdin.buffer.read() if args.payload == "-" else Path(args.payload).read_bytes()
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        print(f"memgate evict: {args.payload}: not JSON: {exc}", file=sys.stderr)
+        return 2
+    tokenizers = Tokenizers(rules.token_cache_size)
+    try:
+        d = decide(raw, payload, rules, tokenizers)
+    except GatewayError as exc:
+        print(f"memgate evict: the gateway would answer {exc.status}: {exc.message}",
+              file=sys.stderr)
+        return 1
+    if args.json:
+        sys.stdout.buffer.write(d.forward + b"\n")
+        return 0
+    if d.skip_reason is not None or d.plan is None:
+        why = d.skip_reason or "mode=off (nothing planned)"
+        print(f"not planned: {why}; the gateway forwards the body unchanged")
+        return 0
+    p = d.plan
+    dropped = dict(p.dropped)
+    kept_by = dict(zip(p.kept, p.kept_by, strict=True))
+    pinned = {
+        i
+        for g in d.conv.groups
+        for i, pin in g.pins
+        if is_active(pin, g.turn, d.conv.n_turns, rules.memory.markers.min_score)
+    } if d.conv else set()
+    print(f"{'idx':>4}  {'role':<10} {'tokens':>7} {'chars':>7}  pin  {'':7} stage")
+    for i, m in enumerate(d.messages):
+        status = "dropped" if i in dropped else "kept"
+        stage = dropped.get(i) or kept_by.get(i, "")
+        print(
+            f"{i:>4}  {str(m.get('role')):<10} {d.message_tokens(i):>7} {d.conv.chars[i]:>7}"
+            f"  {'yes' if i in pinned else '   '}  {status:<7} {stage}"
+        )
+    total = d.est_tokens()
+    kept_tokens = d.overhead_tokens() + sum(d.message_tokens(i) for i in p.kept)
+    print(
+        f"\nmessages {len(d.messages)} -> {len(p.kept)} (dropped {len(p.dropped)}), "
+        f"est_tokens {total} -> {kept_tokens}, budget_tokens {d.budget_tokens}, "
+        f"pinned {p.pinned}, evict={p.evict}"
+        + (", over_budget=true" if p.over_budget else "")
+        + (f", pinned_overflow={p.pinned_overflow}" if p.pinned_overflow else "")
+    )
+    if d.mode != "on":
+        print(f"mode={d.mode}: the gateway forwards the original body; "
+              "MEMGATE_ENABLE_EVICTION=1 shows the evicted one")
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="memgate", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the gateway")
+    s.add_argument("--config", help="YAML config (default: MEMGATE_CONFIG or rules/gateway.yaml)")
+    s.add_argument("--host", default=None)
+    s.add_argument("--port", type=int, default=None)
+    s.add_argument("--upstream", help="OpenAI-compatible upstream base URL (= MEMGATE_UPSTREAM)")
+    s.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("demo", help="gateway + mock upstream + samples, offline")
+    d.add_argument("--samples", default=None, help="directory of sample payloads")
+    d.add_argument("--config", default=None, help="config to start from (copied, then flipped)")
+    d.set_defaults(func=lambda a: __import__("gateway.demo", fromlist=["run"]).run(a))
+
+    c = sub.add_parser("check-config", help="validate a config and print the effective one")
+    c.add_argument("file")
+    c.set_defaults(func=cmd_check_config)
+
+    e = sub.add_parser("evict", help="explain what the gateway would drop from a payload")
+    e.add_argument("payload", help="chat request body (JSON file, or - for stdin)")
+    e.add_argument("--config", default=None)
+    e.add_argument("--json", action="store_true", help="print the exact body it would forward")
+    e.set_defaults(func=cmd_evict)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result: int = args.func(args)
+    return result

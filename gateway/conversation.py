@@ -1,0 +1,127 @@
+"""The neutral shape of a chat history: fixed part, turns, atomic groups.
+
+A **turn** starts at a user message and runs to the next one. Inside a turn a
+**group** is the smallest unit eviction may drop: the user message, a plain
+assistant reply, or an assistant tool call together with all its results.
+System/developer messages are **fixed**: never in a group, always kept.
+
+Wire parsers (gateway/wire/) build a `Conversation`; the planner only ever sees
+this shape. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+
+class Unplannable(Exception):
+    """The history is valid JSON but not something eviction may touch safely.
+
+    The request is forwarded unchanged and logged `evict=skipped reason=<reason>`.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class BadMetadata(ValueError):
+    """Gateway metadata on a message is malformed: a 400 for the client."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    explicit: bool  # metadata pin: true or the text prefix
+    score: float | None
+    ttl: int | None
+
+
+@dataclass(slots=True)
+class Group:
+    indices: list[int]
+    turn: int  # 0 = before the first user message, then 1..n_turns
+    is_user: bool
+    chars: int = 0
+    pins: list[tuple[int, Pin]] = field(default_factory=list)  # (message index, pin)
+
+
+@dataclass(slots=True)
+class Conversation:
+    n_messages: int
+    fixed: list[int]
+    groups: list[Group]
+    n_turns: int
+    chars: list[int]  # per message, the jq definition
+    media_parts: int = 0  # non-text content parts (estimated, not tokenized)
+    has_metadata: bool = False
+
+    @property
+    def total_chars(self) -> int:
+        return sum(self.chars)
+
+
+def content_chars(content: Any) -> int:
+    """Characters of one message content, as jq's `tostring | length` (null counts 0)."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content)
+    return len(orjson.dumps(content).decode("utf-8"))
+
+
+def first_text(content: Any) -> str | None:
+    """The text a pin prefix is looked for in: the string, or the first text part."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                return str(part["text"])
+    return None
+
+
+def read_metadata(meta: Any, where: str) -> Pin | None:
+    """Validate a message's `memgate` metadata: {pin, score, ttl}."""
+    if meta is None:
+        return None
+    if not isinstance(meta, dict):
+        raise BadMetadata(f"{where}: must be an object like {{\"pin\": true}}")
+    unknown = set(meta) - {"pin", "score", "ttl"}
+    if unknown:
+        raise BadMetadata(f"{where}: unknown key {sorted(unknown)[0]!r} (allowed: pin, score, ttl)")
+    pin = meta.get("pin", False)
+    score = meta.get("score")
+    ttl = meta.get("ttl")
+    if not isinstance(pin, bool):
+        raise BadMetadata(f"{where}.pin: must be true or false")
+    if score is not None and (
+        isinstance(score, bool) or not isinstance(score, int | float) or not 0 <= score <= 1
+    ):
+        raise BadMetadata(f"{where}.score: must be a number between 0 and 1")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 0):
+        raise BadMetadata(f"{where}.ttl: must be a non-negative integer (turns)")
+    return Pin(explicit=pin, score=None if score is None else float(score), ttl=ttl)
+
+
+def pin_of(meta_pin: Pin | None, text: str | None, prefix: str, min_score: float) -> Pin | None:
+    """The effective pin of a message, or None."""
+    by_prefix = bool(prefix) and text is not None and text.lstrip().startswith(prefix)
+    if meta_pin is None:
+        return Pin(explicit=True, score=None, ttl=None) if by_prefix else None
+    explicit = meta_pin.explicit or by_prefix
+    scored = meta_pin.score is not None and meta_pin.score >= min_score
+    if explicit or scored:
+        return Pin(explicit=explicit, score=meta_pin.score, ttl=meta_pin.ttl)
+    if meta_pin.score is not None:  # below threshold: still ranks in the score stage
+        return Pin(explicit=False, score=meta_pin.score, ttl=meta_pin.ttl)
+    return None
+
+
+def is_active(pin: Pin, own_turn: int, current_turn: int, min_score: float) -> bool:
+    """Does this pin hold in the current turn (pinned, and its ttl not expired)?"""
+    if not (pin.explicit or (pin.score is not None and pin.score >= min_score)):
+        return False
+    return pin.ttl is None or current_turn - own_turn <= pin.ttl

@@ -1,0 +1,81 @@
+"""Errors the gateway itself raises, and their JSON rendering.
+
+    GatewayError                 base: carries an HTTP status and a code
+    ├── BadRequest               400: the client's body breaks a gateway rule
+    ├── PayloadTooLarge          413: body over limits.max_body_bytes
+    ├── OverBudget               400: on_over_budget=reject and the forced part is too big
+    ├── UpstreamUnreachable      502: connect refused / DNS / reset before a response
+    └── UpstreamTimeout          504: connect or read timeout before a response
+
+    RulesError                   config invalid: file, line, key, reason (never served)
+
+Bodies are rendered in one place, in the shape of the API the client speaks.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import orjson
+
+ApiFlavor = Literal["openai", "anthropic"]
+
+
+class GatewayError(Exception):
+    status = 500
+    code = "gateway_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(GatewayError):
+    status = 400
+    code = "invalid_request"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    code = "payload_too_large"
+
+
+class OverBudget(GatewayError):
+    status = 400
+    code = "context_over_budget"
+
+
+class UpstreamUnreachable(GatewayError):
+    status = 502
+    code = "upstream_unreachable"
+
+
+class UpstreamTimeout(GatewayError):
+    status = 504
+    code = "upstream_timeout"
+
+
+class RulesError(Exception):
+    """A config that must not take effect: where it is wrong and why."""
+
+    def __init__(self, file: str, line: int | None, key: str, reason: str) -> None:
+        self.file, self.line, self.key, self.reason = file, line, key, reason
+        where = f"{file}:{line}" if line else file
+        super().__init__(f"{where}: {key}: {reason}")
+
+
+def render_error(err: GatewayError, flavor: ApiFlavor = "openai") -> bytes:
+    """JSON error body in the client's API shape."""
+    if flavor == "anthropic":
+        anthropic_type = {
+            400: "invalid_request_error",
+            413: "request_too_large",
+            502: "api_error",
+            504: "timeout_error",
+        }.get(err.status, "api_error")
+        return orjson.dumps(
+            {"type": "error", "error": {"type": anthropic_type, "message": err.message}}
+        )
+    return orjson.dumps(
+        {"error": {"message": err.message, "type": "gateway_error", "code": err.code, "param": None}}
+    )

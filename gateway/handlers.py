@@ -1,0 +1,212 @@
+"""Request handlers: thin glue of parse -> plan -> forward -> one [mem] line."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .app import STATE, GatewayState
+from .chat import Decision, decide
+from .errors import ApiFlavor, GatewayError, PayloadTooLarge, render_error
+from .session import session_id, tenant_of
+from .upstream import Relayed, relay
+
+_RID = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def flavor_for(path: str) -> ApiFlavor:
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def error_response(err: GatewayError, flavor: ApiFlavor) -> web.Response:
+    return web.Response(
+        status=err.status, body=render_error(err, flavor), content_type="application/json"
+    )
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole request body, or PayloadTooLarge as soon as it passes `limit`."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise PayloadTooLarge(
+            f"request body is {declared} bytes; the gateway accepts at most {limit} "
+            "(limits.max_body_bytes)"
+        )
+    if declared is not None:
+        return await request.read()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(
+                f"request body is over {limit} bytes, the most the gateway accepts "
+                "(limits.max_body_bytes)"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "" if content is None else orjson.dumps(content).decode()
+
+
+def _session(request: web.Request, header: str, d: Decision | None, tenant: str) -> str:
+    payload = d.payload if d is not None and isinstance(d.payload, dict) else {}
+    system, first_user = "", ""
+    for m in d.messages if d is not None else ():
+        if not isinstance(m, dict):
+            continue
+        role = m.get("role")
+        if not system and role in ("system", "developer"):
+            system = _text(m.get("content"))
+        elif role == "user":
+            first_user = _text(m.get("content"))
+            break
+    return session_id(request.headers, header, payload, tenant, system, first_user)
+
+
+def mem_fields(d: Decision | None, include_indices: bool) -> dict[str, Any]:
+    """The measurement and plan part of the [mem] line."""
+    if d is None:
+        return {"hist_msgs": 0, "hist_chars": 0, "est_tokens": 0, "budget_tokens": None,
+                "evict": "skipped", "kept": 0, "dropped": 0, "pinned": 0}
+    msgs = d.messages
+    turn = d.conv.n_turns if d.conv is not None else sum(
+        1 for m in msgs if isinstance(m, dict) and m.get("role") == "user"
+    )
+    f: dict[str, Any] = {
+        "turn": turn,
+        "hist_msgs": len(msgs),
+        "hist_chars": d.hist_chars(),
+        "est_tokens": d.est_tokens(),
+        "budget_tokens": d.budget_tokens,
+    }
+    p = d.plan
+    if d.skip_reason is not None:
+        f.update(evict="skipped", kept=len(msgs), dropped=0, pinned=0, reason=d.skip_reason)
+    elif p is None:  # mode=off: measured, not planned
+        f.update(evict="none", kept=len(msgs), dropped=0, pinned=0)
+    elif d.mode == "on":
+        f.update(evict=p.evict, kept=len(p.kept), dropped=len(p.dropped), pinned=p.pinned)
+    else:
+        f.update(evict="none", kept=len(msgs), dropped=0, pinned=p.pinned,
+                 would_drop=len(p.dropped))
+        if p.dropped:
+            f["would_evict"] = p.evict
+    if p is not None:
+        if p.over_budget:
+            f["over_budget"] = True
+        if p.pinned_overflow:
+            f["pinned_overflow"] = p.pinned_overflow
+        if include_indices and p.dropped:
+            f["kept_idx"] = ",".join(map(str, p.kept))
+            f["dropped_idx"] = ",".join(f"{i}:{s}" for i, s in p.dropped)
+    return f
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state: GatewayState = request.app[STATE]
+    rules = state.rules  # one snapshot for the whole request
+    t0 = time.perf_counter()
+    rid = _RID.sub("", request.headers.get("X-Request-Id", ""))[:64] or uuid.uuid4().hex[:16]
+    info = Relayed()
+    d: Decision | None = None
+    overhead_ms = 0.0
+    try:
+        try:
+            raw = await read_body(request, rules.max_body_bytes)
+            try:
+                payload = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                payload = None
+            d = decide(raw, payload, rules, state.tokenizers)
+            up = rules.upstream_for(request.path, d.model)
+            overhead_ms = (time.perf_counter() - t0) * 1000
+            return await relay(request, state.pool, up, d.forward, info)
+        except GatewayError as err:
+            info.status = err.status
+            if not overhead_ms:
+                overhead_ms = (time.perf_counter() - t0) * 1000
+            return error_response(err, "openai")
+    except asyncio.CancelledError:
+        info.stream = "client_gone"
+        raise
+    finally:
+        _log_mem(state, request, rules.session_header, d, info, overhead_ms, rid)
+
+
+def _log_mem(
+    state: GatewayState,
+    request: web.Request,
+    session_header: str,
+    d: Decision | None,
+    info: Relayed,
+    overhead_ms: float,
+    rid: str,
+) -> None:
+    log = state.log
+    tenant = tenant_of(request.headers)
+    fields: dict[str, Any] = {"session": _session(request, session_header, d, tenant)}
+    fields.update(mem_fields(d, include_indices=state.rules.log_level == "debug"))
+    fields.update(
+        mode=d.mode if d is not None else state.rules.memory.mode,
+        model=d.model if d is not None else None,
+        status=info.status or 499,
+        upstream_ms=round(info.upstream_ms, 2),
+        overhead_ms=round(overhead_ms, 2),
+        req=rid,
+    )
+    if info.stream != "complete":
+        fields["stream"] = info.stream
+    log.info("mem", **fields)
+
+
+async def passthrough(request: web.Request) -> web.StreamResponse:
+    """Every other route: relayed as is, body streamed, no [mem] line."""
+    state: GatewayState = request.app[STATE]
+    rules = state.rules
+    flavor = flavor_for(request.path)
+    info = Relayed()
+    declared = request.content_length
+    if declared is not None and declared > rules.max_body_bytes:
+        return error_response(
+            PayloadTooLarge(
+                f"request body is {declared} bytes; the gateway accepts at most "
+                f"{rules.max_body_bytes} (limits.max_body_bytes)"
+            ),
+            flavor,
+        )
+    extra = {"Content-Length": str(declared)} if declared is not None else None
+    body = request.content if request.body_exists else None
+    up = rules.upstream_for(request.path, None)
+    try:
+        return await relay(request, state.pool, up, body, info, extra)
+    except GatewayError as err:
+        return error_response(err, flavor)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    rules = request.app[STATE].rules
+    ok = bool(rules.upstreams) and all(u.base_url for u in rules.upstreams)
+    return web.json_response(
+        {
+            "status": "ready" if ok else "not_ready",
+            "config": rules.source,
+            "mode": rules.memory.mode,
+            "upstreams": [u.name for u in rules.upstreams],
+        },
+        status=200 if ok else 503,
+    )

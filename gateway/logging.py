@@ -1,0 +1,91 @@
+"""structlog setup and the `[mem]` line renderer.
+
+One `[mem]` line per intercepted request. Console: `[mem] k=v ...` with the
+seed document's fields first, in its order. JSON: the same keys, one object,
+`event: "mem"`. Other events (startup, reloads) use the same renderers.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import MutableMapping
+from typing import Any, TextIO
+
+import orjson
+import structlog
+
+MEM_FIELDS = (
+    "session", "turn", "hist_msgs", "hist_chars", "est_tokens", "budget_tokens",
+    "evict", "kept", "dropped", "pinned",
+)
+_SKIP = {"event", "level", "timestamp"}
+
+
+def _value(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    s = str(v)
+    if not s or any(c in s for c in ' "=\n\t'):
+        return orjson.dumps(s).decode()
+    return s
+
+
+class ConsoleRenderer:
+    """`[mem] session=... turn=...` for mem events, `event k=v` for the rest."""
+
+    def __call__(self, _logger: Any, _name: str, ev: MutableMapping[str, Any]) -> str:
+        event = ev.get("event", "")
+        if event == "mem":
+            keys = [k for k in MEM_FIELDS if k in ev]
+            keys += [k for k in ev if k not in _SKIP and k not in MEM_FIELDS]
+            return "[mem] " + " ".join(f"{k}={_value(ev[k])}" for k in keys)
+        head = f"{ev.get('level', 'info')} {event}"
+        rest = " ".join(f"{k}={_value(v)}" for k, v in ev.items() if k not in _SKIP)
+        return f"{head} {rest}".rstrip()
+
+
+class JsonRenderer:
+    def __call__(self, _logger: Any, _name: str, ev: MutableMapping[str, Any]) -> str:
+        return orjson.dumps(dict(ev), default=str).decode()
+
+
+def configure(
+    fmt: str = "console",
+    level: str = "info",
+    stream: TextIO | None = None,
+    sink: list[dict[str, Any]] | None = None,
+) -> None:
+    """Configure structlog once per process (serve, demo, CLI).
+
+    `sink`, when given, also receives a copy of every `mem` event (the demo's table).
+    """
+    renderer: Any = JsonRenderer() if fmt == "json" else ConsoleRenderer()
+    processors: list[Any] = [structlog.processors.add_log_level]
+    if sink is not None:
+
+        def capture(_l: Any, _n: str, ev: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+            if ev.get("event") == "mem":
+                sink.append(dict(ev))
+            return ev
+
+        processors.append(capture)
+    if fmt == "json":
+        processors.append(structlog.processors.TimeStamper(fmt="iso", utc=True))
+    processors.append(renderer)
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(
+            getattr(logging, level.upper(), logging.INFO)
+        ),
+        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger() -> Any:
+    return structlog.get_logger("memgate")

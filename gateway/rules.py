@@ -1,0 +1,515 @@
+"""Load and validate the gateway config into an immutable `Rules` snapshot.
+
+The loader is pure apart from reading the files it is given: it either returns a
+complete, frozen `Rules` or raises `RulesError(file, line, key, reason)`. Reload
+builds a whole new snapshot and swaps one reference, so a bad file never takes
+effect. Precedence: CLI flags > environment (`MEMGATE_*`) > file > defaults.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+
+from .errors import RulesError
+
+STAGES = ("pinned", "recent_turns", "length", "score")
+DropUnit = Literal["turn", "group"]
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    max_tokens: int | Literal["auto"] | None = 6000
+    max_chars: int | None = 24000
+    max_messages: int | None = 60
+    max_turns: int | None = 20
+    safety_ratio: float = 0.9
+    reserve_output_tokens: int = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    order: tuple[str, ...] = ("pinned", "recent_turns", "length")
+    keep_pinned: bool = True
+    max_pinned: int = 8
+    drop_unit: DropUnit = "turn"
+    on_over_budget: Literal["forward", "reject"] = "forward"
+
+
+@dataclass(frozen=True, slots=True)
+class Markers:
+    system_prefix: str = "[PIN]"
+    min_score: float = 0.7
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    enable_eviction: bool = False
+    shadow: bool = True
+    budget: Budget = field(default_factory=Budget)
+    eviction: Eviction = field(default_factory=Eviction)
+    markers: Markers = field(default_factory=Markers)
+
+    @property
+    def mode(self) -> Literal["off", "shadow", "on"]:
+        if self.enable_eviction:
+            return "on"
+        return "shadow" if self.shadow else "off"
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    name: str
+    base_url: str
+    paths: tuple[str, ...] = ("/*",)
+    models: tuple[str, ...] = ()
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 600.0
+    api_key_env: str | None = None
+
+    def serves(self, path: str, model: str | None) -> bool:
+        if not any(fnmatch.fnmatchcase(path, p) for p in self.paths):
+            return False
+        if self.models and model is not None:
+            return any(fnmatch.fnmatchcase(model, m) for m in self.models)
+        return not self.models
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    match: str
+    encoding: str
+    context_window: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    memory: Memory = field(default_factory=Memory)
+    upstreams: tuple[Upstream, ...] = (Upstream("openai", "https://api.openai.com"),)
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    log_format: Literal["console", "json"] = "console"
+    log_level: str = "info"
+    max_body_bytes: int = 32 * 1024 * 1024
+    session_header: str = "X-Session-Id"
+    token_cache_size: int = 200_000
+    models: tuple[ModelInfo, ...] = ()
+    default_encoding: str = "cl100k_base"
+    default_context_window: int = 8192
+    source: str = "<defaults>"
+    models_path: str | None = None
+    digest: str = ""
+
+    def upstream_for(self, path: str, model: str | None = None) -> Upstream:
+        for up in self.upstreams:
+            if up.serves(path, model):
+                return up
+        return self.upstreams[0]
+
+    def model_info(self, model: str | None) -> ModelInfo:
+        if model:
+            for info in self.models:
+                if fnmatch.fnmatchcase(model, info.match):
+                    return info
+        return ModelInfo("*", self.default_encoding, self.default_context_window)
+
+
+# --------------------------------------------------------------------------- parsing
+
+_Lines = dict[str, int]
+
+
+def _line_map(text: str) -> _Lines:
+    """Dotted key path -> 1-based line of its key, for error messages."""
+    lines: _Lines = {}
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return lines
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                path = f"{prefix}.{k.value}" if prefix else str(k.value)
+                lines[path] = k.start_mark.line + 1
+                walk(v, path)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                path = f"{prefix}[{i}]"
+                lines[path] = item.start_mark.line + 1
+                walk(item, path)
+
+    if root is not None:
+        walk(root, "")
+    return lines
+
+
+class _Reader:
+    """Typed access to a parsed YAML mapping that reports file:line: key: reason."""
+
+    def __init__(self, file: str, lines: _Lines) -> None:
+        self.file, self.lines = file, lines
+
+    def fail(self, key: str, reason: str) -> RulesError:
+        line = self.lines.get(key)
+        probe = key
+        while line is None and ("." in probe or "[" in probe):
+            probe = probe.rsplit(".", 1)[0] if "." in probe else probe.rsplit("[", 1)[0]
+            line = self.lines.get(probe)
+        return RulesError(self.file, line, key, reason)
+
+    def section(self, data: Any, key: str, allowed: set[str]) -> dict[str, Any]:
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            raise self.fail(key, f"must be a mapping, got {type(data).__name__}")
+        for k in data:
+            if k not in allowed:
+                where = f"{key}.{k}" if key else str(k)
+                raise self.fail(where, f"unknown key (allowed: {', '.join(sorted(allowed))})")
+        return data
+
+    def get(
+        self,
+        data: dict[str, Any],
+        prefix: str,
+        name: str,
+        check: Callable[[Any], Any],
+        default: Any,
+    ) -> Any:
+        if name not in data:
+            return default
+        key = f"{prefix}.{name}" if prefix else name
+        try:
+            return check(data[name])
+        except ValueError as exc:
+            raise self.fail(key, str(exc)) from None
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    raise ValueError(f"must be true or false, got {v!r}")
+
+
+def _int(lo: int = 0, hi: int | None = None, nullable: bool = False) -> Callable[[Any], Any]:
+    def check(v: Any) -> int | None:
+        if v is None and nullable:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"must be an integer{' or null' if nullable else ''}, got {v!r}")
+        if v < lo or (hi is not None and v > hi):
+            rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+            raise ValueError(f"must be {rng}, got {v}")
+        return v
+
+    return check
+
+
+def _float(lo: float, hi: float) -> Callable[[Any], float]:
+    def check(v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ValueError(f"must be a number, got {v!r}")
+        if not lo <= v <= hi:
+            raise ValueError(f"must be between {lo} and {hi}, got {v}")
+        return float(v)
+
+    return check
+
+
+def _str(choices: tuple[str, ...] | None = None, nonempty: bool = True) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if not isinstance(v, str) or (nonempty and not v):
+            raise ValueError(f"must be a non-empty string, got {v!r}")
+        if choices and v not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {v!r}")
+        return v
+
+    return check
+
+
+def _str_list(v: Any) -> tuple[str, ...]:
+    if isinstance(v, str):
+        return (v,)
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise ValueError(f"must be a list of strings, got {v!r}")
+    return tuple(v)
+
+
+def _max_tokens(v: Any) -> int | Literal["auto"] | None:
+    if v == "auto":
+        return "auto"
+    result: int | None = _int(1, nullable=True)(v)
+    return result
+
+
+def _order(v: Any) -> tuple[str, ...]:
+    names = _str_list(v)
+    for n in names:
+        if n not in STAGES:
+            raise ValueError(f"unknown stage {n!r} (stages: {', '.join(STAGES)})")
+    if len(set(names)) != len(names):
+        raise ValueError("a stage is listed twice")
+    return names
+
+
+def _base_url(v: Any) -> str:
+    s = _str()(v)
+    parts = urlsplit(s)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"must be an http(s) URL with a host, got {v!r}")
+    return s.rstrip("/")
+
+
+def _parse_memory(r: _Reader, data: Any) -> Memory:
+    m = r.section(data, "memory", {"enable_eviction", "shadow", "budget", "eviction", "markers"})
+    b = r.section(
+        m.get("budget"),
+        "memory.budget",
+        {"max_tokens", "max_chars", "max_messages", "max_turns", "safety_ratio",
+         "reserve_output_tokens"},
+    )
+    d = Budget()
+    budget = Budget(
+        max_tokens=r.get(b, "memory.budget", "max_tokens", _max_tokens, d.max_tokens),
+        max_chars=r.get(b, "memory.budget", "max_chars", _int(1, nullable=True), d.max_chars),
+        max_messages=r.get(
+            b, "memory.budget", "max_messages", _int(1, nullable=True), d.max_messages
+        ),
+        max_turns=r.get(b, "memory.budget", "max_turns", _int(1, nullable=True), d.max_turns),
+        safety_ratio=r.get(b, "memory.budget", "safety_ratio", _float(0.05, 1.0), d.safety_ratio),
+        reserve_output_tokens=r.get(
+            b, "memory.budget", "reserve_output_tokens", _int(0), d.reserve_output_tokens
+        ),
+    )
+    e = r.section(
+        m.get("eviction"),
+        "memory.eviction",
+        {"order", "keep_pinned", "max_pinned", "drop_unit", "on_over_budget"},
+    )
+    de = Eviction()
+    eviction = Eviction(
+        order=r.get(e, "memory.eviction", "order", _order, de.order),
+        keep_pinned=r.get(e, "memory.eviction", "keep_pinned", _bool, de.keep_pinned),
+        max_pinned=r.get(e, "memory.eviction", "max_pinned", _int(0), de.max_pinned),
+        drop_unit=r.get(e, "memory.eviction", "drop_unit", _str(("turn", "group")), de.drop_unit),
+        on_over_budget=r.get(
+            e, "memory.eviction", "on_over_budget", _str(("forward", "reject")), de.on_over_budget
+        ),
+    )
+    k = r.section(m.get("markers"), "memory.markers", {"system_prefix", "min_score"})
+    dk = Markers()
+    markers = Markers(
+        system_prefix=r.get(k, "memory.markers", "system_prefix", _str(), dk.system_prefix),
+        min_score=r.get(k, "memory.markers", "min_score", _float(0.0, 1.0), dk.min_score),
+    )
+    return Memory(
+        enable_eviction=r.get(m, "memory", "enable_eviction", _bool, False),
+        shadow=r.get(m, "memory", "shadow", _bool, True),
+        budget=budget,
+        eviction=eviction,
+        markers=markers,
+    )
+
+
+def _parse_upstreams(r: _Reader, data: Any) -> tuple[Upstream, ...]:
+    if data is None:
+        return Rules().upstreams
+    if not isinstance(data, list) or not data:
+        raise r.fail("upstreams", "must be a non-empty list of upstreams")
+    out: list[Upstream] = []
+    names: set[str] = set()
+    for i, item in enumerate(data):
+        key = f"upstreams[{i}]"
+        u = r.section(
+            item,
+            key,
+            {"name", "base_url", "paths", "models", "connect_timeout_s", "read_timeout_s",
+             "api_key_env"},
+        )
+        for required in ("name", "base_url"):
+            if required not in u:
+                raise r.fail(key, f"missing required key {required!r}")
+        up = Upstream(
+            name=r.get(u, key, "name", _str(), ""),
+            base_url=r.get(u, key, "base_url", _base_url, ""),
+            paths=r.get(u, key, "paths", _str_list, ("/*",)),
+            models=r.get(u, key, "models", _str_list, ()),
+            connect_timeout_s=r.get(u, key, "connect_timeout_s", _float(0.001, 3600), 10.0),
+            read_timeout_s=r.get(u, key, "read_timeout_s", _float(0.001, 86400), 600.0),
+            api_key_env=r.get(u, key, "api_key_env", _str(), None),
+        )
+        if up.name in names:
+            raise r.fail(f"{key}.name", f"duplicate upstream name {up.name!r}")
+        names.add(up.name)
+        out.append(up)
+    return tuple(out)
+
+
+def _parse_models(r: _Reader, data: Any) -> tuple[tuple[ModelInfo, ...], str, int]:
+    t = r.section(data, "", {"models", "default"})
+    infos: list[ModelInfo] = []
+    items = t.get("models") or []
+    if not isinstance(items, list):
+        raise r.fail("models", "must be a list")
+    for i, item in enumerate(items):
+        key = f"models[{i}]"
+        mi = r.section(item, key, {"match", "encoding", "context_window"})
+        if "match" not in mi or "encoding" not in mi:
+            raise r.fail(key, "needs match and encoding")
+        infos.append(
+            ModelInfo(
+                match=r.get(mi, key, "match", _str(), ""),
+                encoding=r.get(mi, key, "encoding", _str(), ""),
+                context_window=r.get(mi, key, "context_window", _int(1), 8192),
+            )
+        )
+    dflt = r.section(t.get("default"), "default", {"encoding", "context_window"})
+    return (
+        tuple(infos),
+        r.get(dflt, "default", "encoding", _str(), "cl100k_base"),
+        r.get(dflt, "default", "context_window", _int(1), 8192),
+    )
+
+
+def _load_yaml(path: Path) -> tuple[Any, _Lines, str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RulesError(str(path), None, "<file>", f"cannot read: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise RulesError(str(path), line, "<yaml>", f"invalid YAML: {problem}") from None
+    return data, _line_map(text), text
+
+
+def _env_bool(env: Mapping[str, str], name: str) -> bool | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise RulesError(f"env:{name}", None, name, f"must be 0 or 1, got {raw!r}")
+
+
+def _env_url(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name)
+    if not raw:
+        return None
+    try:
+        return _base_url(raw)
+    except ValueError as exc:
+        raise RulesError(f"env:{name}", None, name, str(exc)) from None
+
+
+def load_rules(path: str | Path | None, env: Mapping[str, str] | None = None) -> Rules:
+    """Build a complete Rules snapshot from a YAML file plus MEMGATE_* overrides."""
+    env = os.environ if env is None else env
+    if path is None:
+        data: Any = {}
+        lines: _Lines = {}
+        text = ""
+        file = "<defaults>"
+        base_dir = Path.cwd()
+    else:
+        p = Path(path)
+        data, lines, text = _load_yaml(p)
+        file = str(p)
+        base_dir = p.parent
+    r = _Reader(file, lines)
+    top = r.section(
+        data if data is not None else {},
+        "",
+        {"memory", "upstreams", "listen", "logging", "limits", "session", "tokens"},
+    )
+    memory = _parse_memory(r, top.get("memory"))
+    upstreams = _parse_upstreams(r, top.get("upstreams"))
+    listen = r.section(top.get("listen"), "listen", {"host", "port"})
+    logging_ = r.section(top.get("logging"), "logging", {"format", "level"})
+    limits = r.section(top.get("limits"), "limits", {"max_body_bytes"})
+    session = r.section(top.get("session"), "session", {"header"})
+    tokens = r.section(top.get("tokens"), "tokens", {"cache_size", "models_file"})
+
+    models: tuple[ModelInfo, ...] = ()
+    default_encoding, default_window = "cl100k_base", 8192
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    models_file = r.get(tokens, "tokens", "models_file", _str(), None)
+    mpath: Path | None = None
+    if models_file is not None:
+        mpath = base_dir / models_file
+        mdata, mlines, mtext = _load_yaml(mpath)
+        models, default_encoding, default_window = _parse_models(
+            _Reader(str(mpath), mlines), mdata
+        )
+        digest = hashlib.sha256((text + "\0" + mtext).encode()).hexdigest()
+
+    rules = Rules(
+        memory=memory,
+        upstreams=upstreams,
+        listen_host=r.get(listen, "listen", "host", _str(), "127.0.0.1"),
+        listen_port=r.get(listen, "listen", "port", _int(0, 65535), 8080),
+        log_format=r.get(logging_, "logging", "format", _str(("console", "json")), "console"),
+        log_level=r.get(
+            logging_, "logging", "level", _str(("debug", "info", "warning", "error")), "info"
+        ),
+        max_body_bytes=r.get(limits, "limits", "max_body_bytes", _int(1024), 32 * 1024 * 1024),
+        session_header=r.get(session, "session", "header", _str(), "X-Session-Id"),
+        token_cache_size=r.get(tokens, "tokens", "cache_size", _int(0), 200_000),
+        models=models,
+        default_encoding=default_encoding,
+        default_context_window=default_window,
+        source=file,
+        models_path=str(mpath) if mpath is not None else None,
+        digest=digest,
+    )
+    return apply_env(rules, env)
+
+
+def apply_env(rules: Rules, env: Mapping[str, str]) -> Rules:
+    """Environment overrides (env > file); invalid values raise RulesError."""
+    from dataclasses import replace
+
+    enable = _env_bool(env, "MEMGATE_ENABLE_EVICTION")
+    shadow = _env_bool(env, "MEMGATE_SHADOW")
+    memory = rules.memory
+    if enable is not None:
+        memory = replace(memory, enable_eviction=enable)
+    if shadow is not None:
+        memory = replace(memory, shadow=shadow)
+    upstreams = list(rules.upstreams)
+    url = _env_url(env, "MEMGATE_UPSTREAM")
+    if url is not None:
+        upstreams[0] = replace(upstreams[0], base_url=url)
+    fmt = env.get("MEMGATE_LOG_FORMAT")
+    log_format = rules.log_format
+    if fmt:
+        if fmt not in ("console", "json"):
+            raise RulesError("env:MEMGATE_LOG_FORMAT", None, "MEMGATE_LOG_FORMAT",
+                             f"must be console or json, got {fmt!r}")
+        log_format = fmt  # type: ignore[assignment]
+    return replace(rules, memory=memory, upstreams=tuple(upstreams), log_format=log_format)
+
+
+def describe(rules: Rules) -> dict[str, Any]:
+    """The effective config as plain data (for check-config and startup logs)."""
+    from dataclasses import asdict
+
+    out = asdict(rules)
+    out["memory"]["mode"] = rules.memory.mode
+    out.pop("digest")
+    return out
