@@ -18,6 +18,7 @@ import structlog
 MEM_FIELDS = (
     "session", "turn", "hist_msgs", "hist_chars", "est_tokens", "budget_tokens",
     "evict", "kept", "dropped", "pinned",
+    "mode", "model", "status", "upstream_ms", "overhead_ms", "req",
 )
 _SKIP = {"event", "level", "timestamp"}
 

@@ -1,0 +1,205 @@
+"""Shared fixtures: a recording upstream, a gateway in front of it, captured logs."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import structlog
+import yaml
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from gateway import logging as mglog
+from gateway.app import STATE, create_app
+from gateway.rules import load_rules
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "samples"
+SECRET = "sk-test-SECRET-0123456789abcdef"
+
+
+def sample(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((SAMPLES / f"{name}.json").read_text(encoding="utf-8"))
+    return data
+
+
+@dataclass
+class Upstream:
+    """An aiohttp test server standing in for OpenAI; it records what it received."""
+
+    server: TestServer
+    received: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return str(self.server.make_url("")).rstrip("/")
+
+    def last_body(self) -> dict[str, Any]:
+        body: dict[str, Any] = orjson.loads(self.received[-1]["raw"])
+        return body
+
+
+CHAT_REPLY = {
+    "id": "chatcmpl-test",
+    "object": "chat.completion",
+    "created": 1730000000,
+    "model": "gpt-4o-mini",
+    "choices": [{"index": 0, "finish_reason": "stop",
+                 "message": {"role": "assistant", "content": "hello from upstream"}}],
+    "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+}
+
+
+def sse_chunks(words: list[str]) -> list[bytes]:
+    out = []
+    for w in words:
+        chunk = {"id": "chatcmpl-test", "object": "chat.completion.chunk", "created": 1730000000,
+                 "model": "gpt-4o-mini",
+                 "choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]}
+        out.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    end = {"id": "chatcmpl-test", "object": "chat.completion.chunk", "created": 1730000000,
+           "model": "gpt-4o-mini", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    out.append(b"data: " + orjson.dumps(end) + b"\n\n")
+    out.append(b"data: [DONE]\n\n")
+    return out
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@pytest.fixture
+async def upstream(aiohttp_server: Any) -> Upstream:
+    """Recording OpenAI-like upstream; tests may add routes via `extra_routes`."""
+    rec = Upstream(server=None)  # type: ignore[arg-type]
+    gate = asyncio.Event()
+    gate.set()
+
+    async def record(request: web.Request) -> bytes:
+        raw = await request.read()
+        rec.received.append({
+            "method": request.method, "path": request.path_qs, "raw": raw,
+            "headers": dict(request.headers),
+        })
+        return raw
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        raw = await record(request)
+        body = orjson.loads(raw)
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for chunk in sse_chunks(["Hel", "lo", " wor", "ld"]):
+                await resp.write(chunk)
+                await asyncio.sleep(0.01)
+            await resp.write_eof()
+            return resp
+        return web.Response(body=orjson.dumps(CHAT_REPLY), content_type="application/json")
+
+    async def models(request: web.Request) -> web.Response:
+        await record(request)
+        return web.json_response({"object": "list", "data": [{"id": "gpt-4o-mini",
+                                  "object": "model", "created": 0, "owned_by": "test"}]})
+
+    async def echo(request: web.Request) -> web.Response:
+        raw = await record(request)
+        return web.Response(body=raw, status=201, headers={"X-Upstream": "yes"},
+                            content_type="application/octet-stream")
+
+    async def fail(request: web.Request) -> web.Response:
+        await record(request)
+        status = int(request.match_info["status"])
+        return web.json_response({"error": {"message": f"upstream says {status}",
+                                            "type": "upstream"}}, status=status)
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_route("*", "/v1/echo", echo)
+    app.router.add_post("/status/{status}/v1/chat/completions", fail)
+    rec.server = await aiohttp_server(app)
+    return rec
+
+
+def write_config(path: Path, memory: dict[str, Any] | None = None, **top: Any) -> Path:
+    data: dict[str, Any] = {
+        "memory": {"enable_eviction": False, "shadow": True,
+                   "budget": {"max_tokens": 6000, "max_chars": 24000, "max_messages": 60,
+                              "max_turns": 20}},
+        "tokens": {"models_file": str(ROOT / "rules" / "models.yaml")},
+    }
+    if memory:
+        for k, v in memory.items():
+            if isinstance(v, dict):
+                data["memory"].setdefault(k, {}).update(v)
+            else:
+                data["memory"][k] = v
+    data.update(top)
+    path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), encoding="utf-8")
+    return path
+
+
+@dataclass
+class Gateway:
+    server: TestServer
+    app: web.Application
+    config: Path
+    log: io.StringIO
+
+    @property
+    def url(self) -> str:
+        return str(self.server.make_url("")).rstrip("/")
+
+    @property
+    def state(self) -> Any:
+        return self.app[STATE]
+
+    def mem_lines(self) -> list[str]:
+        return [ln for ln in self.log.getvalue().splitlines() if ln.startswith("[mem] ")]
+
+    def mem_events(self) -> list[dict[str, Any]]:
+        """The [mem] lines parsed back into key -> value strings."""
+        out = []
+        for ln in self.mem_lines():
+            fields = {}
+            for part in ln[len("[mem] "):].split(" "):
+                k, _, v = part.partition("=")
+                fields[k] = v
+            out.append(fields)
+        return out
+
+
+GatewayFactory = Callable[..., Awaitable[Gateway]]
+
+
+@pytest.fixture
+async def gateway(aiohttp_server: Any, upstream: Upstream, tmp_path: Path) -> GatewayFactory:
+    """Factory: start a gateway (config written to tmp_path) in front of `upstream`."""
+
+    async def start(
+        memory: dict[str, Any] | None = None,
+        upstream_url: str | None = None,
+        env: dict[str, str] | None = None,
+        fmt: str = "console",
+        level: str = "info",
+        watch_interval_s: float = 0.1,
+        **top: Any,
+    ) -> Gateway:
+        cfg = write_config(tmp_path / "gateway.yaml", memory, **top)
+        the_env = {"MEMGATE_UPSTREAM": upstream_url or upstream.url, **(env or {})}
+        stream = io.StringIO()
+        mglog.configure(fmt, level, stream=stream)
+        rules = load_rules(cfg, the_env)
+        app = create_app(rules, cfg, the_env, watch_interval_s=watch_interval_s)
+        server = await aiohttp_server(app)
+        return Gateway(server=server, app=app, config=cfg, log=stream)
+
+    yield start  # type: ignore[misc]
+    structlog.reset_defaults()
