@@ -9,7 +9,6 @@ effect. Precedence: CLI flags > environment (`MEMGATE_*`) > file > defaults.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -106,7 +105,6 @@ class Rules:
     default_context_window: int = 8192
     source: str = "<defaults>"
     models_path: str | None = None
-    digest: str = ""
 
     def upstream_for(self, path: str, model: str | None = None) -> Upstream:
         for up in self.upstreams:
@@ -380,7 +378,7 @@ def _parse_models(r: _Reader, data: Any) -> tuple[tuple[ModelInfo, ...], str, in
     )
 
 
-def _load_yaml(path: Path) -> tuple[Any, _Lines, str]:
+def _load_yaml(path: Path) -> tuple[Any, _Lines]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -392,7 +390,7 @@ def _load_yaml(path: Path) -> tuple[Any, _Lines, str]:
         line = mark.line + 1 if mark is not None else None
         problem = getattr(exc, "problem", None) or str(exc)
         raise RulesError(str(path), line, "<yaml>", f"invalid YAML: {problem}") from None
-    return data, _line_map(text), text
+    return data, _line_map(text)
 
 
 def _env_bool(env: Mapping[str, str], name: str) -> bool | None:
@@ -421,17 +419,21 @@ def load_rules(path: str | Path | None, env: Mapping[str, str] | None = None) ->
     """Build a complete Rules snapshot from a YAML file plus MEMGATE_* overrides."""
     env = os.environ if env is None else env
     if path is None:
-        data: Any = {}
-        lines: _Lines = {}
-        text = ""
-        file = "<defaults>"
-        base_dir = Path.cwd()
-    else:
-        p = Path(path)
-        data, lines, text = _load_yaml(p)
-        file = str(p)
-        base_dir = p.parent
-    r = _Reader(file, lines)
+        return apply_env(Rules(), env)
+    p = Path(path)
+    data, lines = _load_yaml(p)
+    return apply_env(build_rules(data, str(p), lines, p.parent), env)
+
+
+def build_rules(
+    data: Any,
+    file: str = "<mapping>",
+    lines: _Lines | None = None,
+    base_dir: Path | None = None,
+) -> Rules:
+    """Validate parsed config data (as from YAML) into Rules; no env overrides."""
+    r = _Reader(file, lines or {})
+    base_dir = base_dir or Path.cwd()
     top = r.section(
         data if data is not None else {},
         "",
@@ -447,16 +449,14 @@ def load_rules(path: str | Path | None, env: Mapping[str, str] | None = None) ->
 
     models: tuple[ModelInfo, ...] = ()
     default_encoding, default_window = "cl100k_base", 8192
-    digest = hashlib.sha256(text.encode()).hexdigest()
     models_file = r.get(tokens, "tokens", "models_file", _str(), None)
     mpath: Path | None = None
     if models_file is not None:
         mpath = base_dir / models_file
-        mdata, mlines, mtext = _load_yaml(mpath)
+        mdata, mlines = _load_yaml(mpath)
         models, default_encoding, default_window = _parse_models(
             _Reader(str(mpath), mlines), mdata
         )
-        digest = hashlib.sha256((text + "\0" + mtext).encode()).hexdigest()
 
     rules = Rules(
         memory=memory,
@@ -475,9 +475,8 @@ def load_rules(path: str | Path | None, env: Mapping[str, str] | None = None) ->
         default_context_window=default_window,
         source=file,
         models_path=str(mpath) if mpath is not None else None,
-        digest=digest,
     )
-    return apply_env(rules, env)
+    return rules
 
 
 def apply_env(rules: Rules, env: Mapping[str, str]) -> Rules:
@@ -511,5 +510,4 @@ def describe(rules: Rules) -> dict[str, Any]:
 
     out = asdict(rules)
     out["memory"]["mode"] = rules.memory.mode
-    out.pop("digest")
     return out

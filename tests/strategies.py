@@ -1,0 +1,101 @@
+"""Hypothesis generators of chat histories with tool calls, pins, scores and ttls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+
+WORDS = ["path", "/data/orders", "report.csv", "订单", "汇总", "budget", "ok", "tool", "结果",
+         "the", "cancelled", "error", "上周"]
+
+
+@st.composite
+def text(draw: st.DrawFn, max_words: int = 25) -> str:
+    n = draw(st.integers(0, max_words))
+    return " ".join(draw(st.sampled_from(WORDS)) for _ in range(n))
+
+
+@st.composite
+def meta(draw: st.DrawFn) -> dict[str, Any] | None:
+    kind = draw(st.sampled_from(["none", "none", "none", "pin", "score", "ttl"]))
+    if kind == "none":
+        return None
+    if kind == "pin":
+        return {"pin": True}
+    if kind == "score":
+        return {"score": draw(st.sampled_from([0.1, 0.5, 0.7, 0.95]))}
+    return {"pin": True, "ttl": draw(st.integers(0, 4))}
+
+
+@st.composite
+def message(draw: st.DrawFn, role: str, **extra: Any) -> dict[str, Any]:
+    body = draw(text())
+    if draw(st.integers(0, 9)) == 0:
+        body = "[PIN] " + body
+    m: dict[str, Any] = {"role": role, "content": body, **extra}
+    md = draw(meta())
+    if md is not None:
+        m["memgate"] = md
+    return m
+
+
+@st.composite
+def tool_group(draw: st.DrawFn, turn: int, k: int) -> list[dict[str, Any]]:
+    n = draw(st.integers(1, 3))
+    ids = [f"call_{turn}_{k}_{j}" for j in range(n)]
+    call = draw(message("assistant"))
+    call["content"] = None
+    call["tool_calls"] = [
+        {"id": i, "type": "function", "function": {"name": "f", "arguments": draw(text(5))}}
+        for i in ids
+    ]
+    results = [draw(message("tool", tool_call_id=i)) for i in draw(st.permutations(ids))]
+    return [call, *results]
+
+
+@st.composite
+def conversation(draw: st.DrawFn, max_turns: int = 12) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = []
+    for _ in range(draw(st.integers(0, 2))):
+        msgs.append({"role": draw(st.sampled_from(["system", "developer"])),
+                     "content": draw(text(10))})
+    n_turns = draw(st.integers(1, max_turns))
+    for t in range(1, n_turns + 1):
+        msgs.append(draw(message("user")))
+        for k in range(draw(st.integers(0, 3))):
+            if draw(st.booleans()):
+                msgs.extend(draw(tool_group(t, k)))
+            else:
+                msgs.append(draw(message("assistant")))
+        if draw(st.integers(0, 15)) == 0:
+            msgs.append({"role": "system", "content": "mid-conversation note"})
+    return msgs
+
+
+@st.composite
+def memory_rules(draw: st.DrawFn) -> dict[str, Any]:
+    """A `memory:` config section with a random but valid policy."""
+    stages = draw(st.sampled_from([
+        ["pinned", "recent_turns", "length"],
+        ["pinned", "recent_turns", "length"],
+        ["pinned", "length"],
+        ["recent_turns", "pinned", "length"],
+        ["pinned", "score", "recent_turns", "length"],
+        ["pinned", "recent_turns", "length", "score"],
+    ]))
+    return {
+        "enable_eviction": True,
+        "budget": {
+            "max_tokens": draw(st.one_of(st.none(), st.integers(20, 3000))),
+            "max_chars": draw(st.one_of(st.none(), st.integers(10, 6000))),
+            "max_messages": draw(st.one_of(st.none(), st.integers(1, 60))),
+            "max_turns": draw(st.one_of(st.none(), st.integers(1, 12))),
+        },
+        "eviction": {
+            "order": stages,
+            "keep_pinned": draw(st.booleans()),
+            "max_pinned": draw(st.integers(0, 6)),
+            "drop_unit": draw(st.sampled_from(["turn", "group"])),
+        },
+    }

@@ -1,0 +1,197 @@
+"""Every invariant of ARCHITECTURE.md, as properties over generated histories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.chat import Decision, decide
+from gateway.conversation import is_active
+from gateway.rules import Rules, build_rules
+from gateway.tokens import Tokenizers
+from gateway.wire import openai_chat
+
+from .strategies import conversation, memory_rules
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENIZERS = Tokenizers(50_000)
+SETTINGS = settings(max_examples=150, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def make_rules(memory: dict[str, Any]) -> Rules:
+    return build_rules({"memory": memory, "tokens": {"models_file": "rules/models.yaml"}},
+                       base_dir=ROOT)
+
+
+def run(msgs: list[dict[str, Any]], rules: Rules) -> Decision:
+    body = {"model": "gpt-4o-mini", "messages": msgs}
+    raw = orjson.dumps(body)
+    return decide(raw, orjson.loads(raw), rules, TOKENIZERS)
+
+
+def current_turn_start(msgs: list[dict[str, Any]]) -> int:
+    users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+    return users[-1]
+
+
+@given(msgs=conversation(), memory=memory_rules())
+@SETTINGS
+def test_structure_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]) -> None:
+    """Ordered subsequence; system and current turn kept; tool pairs whole; starts with user."""
+    rules = make_rules(memory)
+    d = run(msgs, rules)
+    assert d.plan is not None
+    p = d.plan
+    kept = list(p.kept)
+    assert kept == sorted(set(kept))
+    assert set(kept).isdisjoint(i for i, _ in p.dropped)
+    assert set(kept) | {i for i, _ in p.dropped} == set(range(len(msgs)))
+    for i, m in enumerate(msgs):
+        if m["role"] in ("system", "developer"):
+            assert i in kept
+    assert set(range(current_turn_start(msgs), len(msgs))) <= set(kept)
+
+    out = orjson.loads(d.forward)["messages"]
+    # kept messages are unchanged except for the stripped gateway metadata
+    assert out == [{k: v for k, v in msgs[i].items() if k != "memgate"} for i in kept]
+    calls: dict[str, int] = {}
+    for j, m in enumerate(out):
+        for c in m.get("tool_calls") or []:
+            calls[c["id"]] = j
+    results = {m["tool_call_id"]: j for j, m in enumerate(out) if m["role"] == "tool"}
+    assert set(calls) == set(results), "a tool call without its result or an orphan result"
+    for cid, j in results.items():
+        assert calls[cid] < j
+    first = next(m for m in out if m["role"] not in ("system", "developer"))
+    assert first["role"] == "user"
+
+
+@given(msgs=conversation(), memory=memory_rules())
+@SETTINGS
+def test_budget_respected_unless_over_budget(
+    msgs: list[dict[str, Any]], memory: dict[str, Any]
+) -> None:
+    """Kept history fits every limit, or over_budget is set and only forced parts were kept."""
+    rules = make_rules(memory)
+    d = run(msgs, rules)
+    p = d.plan
+    assert p is not None
+    b = rules.memory.budget
+    tokens = d.overhead_tokens() + sum(d.message_tokens(i) for i in p.kept)
+    chars = sum(d.conv.chars[i] for i in p.kept) if d.conv else 0
+    fits = (
+        (b.max_tokens is None or tokens <= b.max_tokens)
+        and (b.max_chars is None or chars <= b.max_chars)
+        and (b.max_messages is None or len(p.kept) <= b.max_messages)
+    )
+    order = rules.memory.eviction.order
+    if "length" in order:
+        assert fits or p.over_budget
+    if p.over_budget:
+        assert not fits
+        if "length" in order and order.index("length") == len(order) - 1:
+            assert set(p.kept_by) <= {"system", "current", "pinned", "score"}
+    if b.max_turns is not None and "recent_turns" in order:
+        later = set(order[order.index("recent_turns") + 1 :]) | {"current", "fits"}
+        users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+        oldest_allowed = users[max(0, len(users) - b.max_turns)]
+        for i, why in zip(p.kept, p.kept_by, strict=True):
+            if why in later and msgs[i]["role"] != "system":
+                assert i >= oldest_allowed or why == "fits"
+
+
+@given(msgs=conversation(), memory=memory_rules())
+@SETTINGS
+def test_pinned_kept_up_to_max_pinned(msgs: list[dict[str, Any]], memory: dict[str, Any]) -> None:
+    """With pinned first in the order, every active pin is kept or counted as overflow."""
+    memory["eviction"]["order"] = ["pinned", "recent_turns", "length"]
+    memory["eviction"]["keep_pinned"] = True
+    rules = make_rules(memory)
+    d = run(msgs, rules)
+    assert d.plan is not None and d.conv is not None
+    conv = d.conv
+    active = [
+        i for g in conv.groups for i, pin in g.pins
+        if g.turn < conv.n_turns and is_active(pin, g.turn, conv.n_turns, 0.7)
+    ]
+    lost = [i for i in active if i not in d.plan.kept]
+    assert len(lost) <= d.plan.pinned_overflow
+    if len(active) <= rules.memory.eviction.max_pinned:
+        assert lost == []
+
+
+def as_held(msgs: list[dict[str, Any]], d: Decision) -> list[dict[str, Any]]:
+    """The kept messages with each pin as it held for this request.
+
+    A ttl counts turns back from the current one; once turns between a pin and
+    the current turn are dropped, the same ttl would count fewer turns. The
+    output's pins are therefore pinned (held) or expired (ttl 0), as decided.
+    """
+    assert d.plan is not None and d.conv is not None
+    held: dict[int, bool] = {}
+    for g in d.conv.groups:
+        for i, pin in g.pins:
+            held[i] = is_active(pin, g.turn, d.conv.n_turns, 0.7)
+    out = []
+    for i in d.plan.kept:
+        m = dict(msgs[i])
+        if i in held:
+            score = m.get("memgate", {}).get("score")
+            meta: dict[str, Any] = {"pin": True} if held[i] else {"ttl": 0}
+            if score is not None:
+                meta["score"] = score
+            m["memgate"] = meta
+        out.append(m)
+    return out
+
+
+@given(msgs=conversation(), memory=memory_rules())
+@SETTINGS
+def test_deterministic_and_idempotent(msgs: list[dict[str, Any]], memory: dict[str, Any]) -> None:
+    """The same input plans the same; planning the kept history again drops nothing."""
+    rules = make_rules(memory)
+    d1 = run(msgs, rules)
+    d2 = run(msgs, rules)
+    assert d1.plan == d2.plan and d1.forward == d2.forward
+    assert d1.plan is not None
+    again = run(as_held(msgs, d1), rules)
+    assert again.plan is not None
+    assert again.plan.dropped == ()
+
+
+@given(msgs=conversation(), memory=memory_rules(), shadow=st.booleans())
+@SETTINGS
+def test_eviction_off_forwards_identical_bytes(
+    msgs: list[dict[str, Any]], memory: dict[str, Any], shadow: bool
+) -> None:
+    """enable_eviction false: the client's bytes go upstream unchanged (no gateway metadata)."""
+    for m in msgs:
+        m.pop("memgate", None)
+    memory.update(enable_eviction=False, shadow=shadow)
+    rules = make_rules(memory)
+    body = {"model": "gpt-4o-mini", "messages": msgs, "temperature": 0.2}
+    raw = orjson.dumps(body, option=orjson.OPT_INDENT_2)
+    d = decide(raw, orjson.loads(raw), rules, TOKENIZERS)
+    assert d.forward is raw
+
+
+@given(msgs=conversation(max_turns=6))
+@SETTINGS
+def test_cheap_bound_never_changes_the_decision(msgs: list[dict[str, Any]]) -> None:
+    """Skipping tokenization when bytes bound the tokens gives the plan exact counts give."""
+    rules = make_rules({"enable_eviction": True,
+                        "budget": {"max_tokens": 400, "max_chars": None, "max_messages": None,
+                                   "max_turns": None}})
+    d = run(msgs, rules)
+    assert d.plan is not None
+    exact = d.est_tokens()
+    assert exact <= len(d.raw)
+    if d.plan.kept_tokens is None:  # decided without counting
+        assert exact <= 400 and d.plan.dropped == ()
+    for i in range(len(msgs)):
+        assert d.message_tokens(i) == openai_chat.message_tokens(msgs[i], d.counter)
