@@ -14,6 +14,7 @@ from aiohttp import web
 from . import logging as mglog
 from .reload import Reloader
 from .rules import Rules
+from .state import SessionStore
 from .tokens import Tokenizers
 from .upstream import UpstreamPool
 
@@ -24,6 +25,7 @@ class GatewayState:
 
     reloader: Reloader
     tokenizers: Tokenizers
+    sessions: SessionStore
     pool: UpstreamPool = field(default_factory=UpstreamPool)
     log: Any = None
 
@@ -67,7 +69,12 @@ def create_app(
             _preload_tokenizers(state, new)
 
     reloader = Reloader(config_path, env or {}, rules, on_swap, log, watch_interval_s)
-    state = GatewayState(reloader=reloader, tokenizers=Tokenizers(rules.token_cache_size), log=log)
+    state = GatewayState(
+        reloader=reloader,
+        tokenizers=Tokenizers(rules.token_cache_size),
+        sessions=SessionStore(rules.max_tracked_sessions),
+        log=log,
+    )
 
     # the body limit is enforced per request from the live rules (it can be reloaded)
     app = web.Application(client_max_size=1 << 40)

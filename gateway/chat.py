@@ -91,6 +91,7 @@ def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
         max_pinned=m.eviction.max_pinned,
         drop_unit=m.eviction.drop_unit,
         min_score=m.markers.min_score,
+        low_water=m.eviction.low_water,
     )
 
 
@@ -127,6 +128,7 @@ def decide(raw: bytes, payload: Any, rules: Rules, tokenizers: Tokenizers) -> De
             d.message_tokens,
             overhead_tokens=d.overhead_tokens() if d.budget_tokens is not None else 0,
             tokens_upper_bound=len(raw) + d.conv.media_parts * 85,
+            weight_of=lambda i: openai_chat.message_weight(messages[i]),
         )
         if (
             mode == "on"

@@ -15,6 +15,7 @@ from .app import STATE, GatewayState
 from .chat import Decision, decide
 from .errors import ApiFlavor, GatewayError, PayloadTooLarge, render_error
 from .session import session_id, tenant_of
+from .state import SessionRecord, compare_cut, fingerprint
 from .upstream import Relayed, relay
 
 _RID = re.compile(r"[^A-Za-z0-9._-]")
@@ -155,8 +156,11 @@ def _log_mem(
 ) -> None:
     log = state.log
     tenant = tenant_of(request.headers)
-    fields: dict[str, Any] = {"session": _session(request, session_header, d, tenant)}
+    session = _session(request, session_header, d, tenant)
+    fields: dict[str, Any] = {"session": session}
     fields.update(mem_fields(d, include_indices=state.rules.log_level == "debug"))
+    if d is not None and d.plan is not None and d.mode == "on" and d.messages:
+        fields.update(_track_cut(state, tenant, session, d))
     fields.update(
         mode=d.mode if d is not None else state.rules.memory.mode,
         model=d.model if d is not None else None,
@@ -168,6 +172,20 @@ def _log_mem(
     if info.stream != "complete":
         fields["stream"] = info.stream
     log.info("mem", **fields)
+
+
+def _track_cut(state: GatewayState, tenant: str, session: str, d: Decision) -> dict[str, Any]:
+    """cut=none|kept|moved and prefix_tokens: what stayed identical since the last request."""
+    assert d.plan is not None
+    msgs = d.messages
+    kept = d.plan.kept
+    cut = bool(d.plan.dropped)
+    status, same = compare_cut(state.sessions.get(tenant, session), kept, msgs, cut)
+    state.sessions.put(
+        tenant, session,
+        SessionRecord(kept=kept, n_messages=len(msgs), last=fingerprint(msgs[-1]), cut=cut),
+    )
+    return {"cut": status, "prefix_tokens": sum(d.message_tokens(i) for i in kept[:same])}
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:

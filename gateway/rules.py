@@ -41,6 +41,7 @@ class Eviction:
     max_pinned: int = 8
     drop_unit: DropUnit = "turn"
     on_over_budget: Literal["forward", "reject"] = "forward"
+    low_water: float = 0.6
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,7 @@ class Rules:
     log_level: str = "info"
     max_body_bytes: int = 32 * 1024 * 1024
     session_header: str = "X-Session-Id"
+    max_tracked_sessions: int = 10_000
     token_cache_size: int = 200_000
     models: tuple[ModelInfo, ...] = ()
     default_encoding: str = "cl100k_base"
@@ -291,7 +293,7 @@ def _parse_memory(r: _Reader, data: Any) -> Memory:
     e = r.section(
         m.get("eviction"),
         "memory.eviction",
-        {"order", "keep_pinned", "max_pinned", "drop_unit", "on_over_budget"},
+        {"order", "keep_pinned", "max_pinned", "drop_unit", "on_over_budget", "low_water"},
     )
     de = Eviction()
     eviction = Eviction(
@@ -302,6 +304,7 @@ def _parse_memory(r: _Reader, data: Any) -> Memory:
         on_over_budget=r.get(
             e, "memory.eviction", "on_over_budget", _str(("forward", "reject")), de.on_over_budget
         ),
+        low_water=r.get(e, "memory.eviction", "low_water", _float(0.1, 1.0), de.low_water),
     )
     k = r.section(m.get("markers"), "memory.markers", {"system_prefix", "min_score"})
     dk = Markers()
@@ -444,7 +447,7 @@ def build_rules(
     listen = r.section(top.get("listen"), "listen", {"host", "port"})
     logging_ = r.section(top.get("logging"), "logging", {"format", "level"})
     limits = r.section(top.get("limits"), "limits", {"max_body_bytes"})
-    session = r.section(top.get("session"), "session", {"header"})
+    session = r.section(top.get("session"), "session", {"header", "max_tracked"})
     tokens = r.section(top.get("tokens"), "tokens", {"cache_size", "models_file"})
 
     models: tuple[ModelInfo, ...] = ()
@@ -469,6 +472,7 @@ def build_rules(
         ),
         max_body_bytes=r.get(limits, "limits", "max_body_bytes", _int(1024), 32 * 1024 * 1024),
         session_header=r.get(session, "session", "header", _str(), "X-Session-Id"),
+        max_tracked_sessions=r.get(session, "session", "max_tracked", _int(1), 10_000),
         token_cache_size=r.get(tokens, "tokens", "cache_size", _int(0), 200_000),
         models=models,
         default_encoding=default_encoding,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,12 +15,24 @@ import orjson
 import pytest
 import structlog
 import yaml
+from hypothesis import HealthCheck, settings
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from gateway import logging as mglog
 from gateway.app import STATE, create_app
 from gateway.rules import load_rules
+
+# CI runs a fixed, reproducible set of examples; HYPOTHESIS_PROFILE=thorough explores.
+settings.register_profile(
+    "default", max_examples=150, derandomize=True, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough", max_examples=3000, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "samples"

@@ -97,5 +97,6 @@ def memory_rules(draw: st.DrawFn) -> dict[str, Any]:
             "keep_pinned": draw(st.booleans()),
             "max_pinned": draw(st.integers(0, 6)),
             "drop_unit": draw(st.sampled_from(["turn", "group"])),
+            "low_water": draw(st.sampled_from([0.3, 0.6, 1.0])),
         },
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -173,15 +174,17 @@ def test_jq_character_definition() -> None:
 
 # ------------------------------------------------------------------ golden (samples/)
 
-def golden(name: str, env: dict[str, str]) -> Any:
-    r = load_rules(ROOT / "rules" / "gateway.yaml", {"MEMGATE_ENABLE_EVICTION": "1", **env})
+def golden(name: str, low_water: float = 0.6) -> Any:
+    r = load_rules(ROOT / "rules" / "gateway.yaml", {"MEMGATE_ENABLE_EVICTION": "1"})
+    memory = replace(r.memory, eviction=replace(r.memory.eviction, low_water=low_water))
     raw = (ROOT / "samples" / f"{name}.json").read_bytes()
-    return decide(raw, orjson.loads(raw), r, TOK)
+    return decide(raw, orjson.loads(raw), replace(r, memory=memory), TOK)
 
 
-def test_golden_long_tools() -> None:
-    """The coding session: system, the [PIN] constraint, the pinned turn-12 finding, recent turns."""
-    d = golden("chat_long_tools", {})
+def test_golden_long_tools_sliding() -> None:
+    """low_water 1.0: system, the [PIN] constraint, the pinned turn-12 finding, recent turns
+    up to the 60-message budget."""
+    d = golden("chat_long_tools", low_water=1.0)
     p = d.plan
     assert p.kept == (0, 1, 56, 62, *range(101, 154))
     assert d.messages[62]["content"].startswith("[PIN] Confirmed")
@@ -191,11 +194,19 @@ def test_golden_long_tools() -> None:
     assert all(dropped[i] == "length" for i in range(63, 101))
 
 
+def test_golden_long_tools_low_water() -> None:
+    """low_water 0.6 (default): the same pins, and a cut down to ~60% of the 60 messages."""
+    p = golden("chat_long_tools").plan
+    assert p.kept == (0, 1, 56, 62, *range(123, 154))
+    assert len(p.kept) <= 0.6 * 60
+
+
 def test_golden_zh_pinned() -> None:
-    """The Chinese ops session: the metadata-pinned budget and the score-0.9 reply survive."""
-    d = golden("chat_zh_pinned", {})
+    """The Chinese ops session: the metadata-pinned budget and the score-0.9 reply survive;
+    the 20-turn cap moves in steps of 8 turns (turns 9..26 kept)."""
+    d = golden("chat_zh_pinned")
     p = d.plan
-    assert p.kept == (0, 1, *range(13, 52))
+    assert p.kept == (0, 1, 13, 14, *range(17, 52))
     assert p.pinned == 2
     assert d.messages[1]["content"].startswith("我们的预算是 10 万元")
     fwd = orjson.loads(d.forward)["messages"]
@@ -204,6 +215,6 @@ def test_golden_zh_pinned() -> None:
 
 def test_golden_short_untouched() -> None:
     """A short chat is not even tokenized on the request path and forwards the same bytes."""
-    d = golden("chat_short", {})
+    d = golden("chat_short")
     assert d.plan.dropped == () and d.plan.kept_tokens is None
     assert d.forward is d.raw

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.chat import Decision, decide
@@ -19,8 +19,7 @@ from .strategies import conversation, memory_rules
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZERS = Tokenizers(50_000)
-SETTINGS = settings(max_examples=150, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings()  # the profile chosen in conftest.py
 
 
 def make_rules(memory: dict[str, Any]) -> Rules:
@@ -195,3 +194,48 @@ def test_cheap_bound_never_changes_the_decision(msgs: list[dict[str, Any]]) -> N
         assert exact <= 400 and d.plan.dropped == ()
     for i in range(len(msgs)):
         assert d.message_tokens(i) == openai_chat.message_tokens(msgs[i], d.counter)
+
+
+@st.composite
+def growing_session(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """A session without pins: every request is the previous history plus one turn."""
+    msgs = draw(conversation(max_turns=25))
+    for m in msgs:
+        m.pop("memgate", None)
+        if isinstance(m.get("content"), str):
+            m["content"] = m["content"].replace("[PIN]", "[pin]")
+    return msgs
+
+
+@given(msgs=growing_session(), max_chars=st.integers(200, 3000),
+       max_messages=st.one_of(st.none(), st.integers(8, 40)),
+       low_water=st.sampled_from([0.5, 0.6, 0.8, 1.0]))
+@SETTINGS
+def test_cut_stays_while_it_fits(
+    msgs: list[dict[str, Any]], max_chars: int, max_messages: int | None, low_water: float
+) -> None:
+    """Along a growing session, the forwarded prefix stays byte-identical whenever the
+    previous forwarded messages plus the new ones still fit the budget; every request
+    respects the budget; a lost state (restart) recomputes the very same cut."""
+    rules = make_rules({"enable_eviction": True,
+                        "budget": {"max_tokens": None, "max_chars": max_chars,
+                                   "max_messages": max_messages, "max_turns": None},
+                        "eviction": {"low_water": low_water}})
+    ends = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+    prev: tuple[int, ...] | None = None
+    prev_n = 0
+    for end in ends:
+        history = msgs[: end + 1]
+        d = run(history, rules)
+        p = d.plan
+        assert p is not None
+        if not p.over_budget:
+            assert p.kept_chars <= max_chars
+        if prev is not None:
+            grown = (*prev, *range(prev_n, len(history)))
+            chars = sum(d.conv.chars[i] for i in grown) if d.conv else 0
+            fits = chars <= max_chars and (max_messages is None or len(grown) <= max_messages)
+            if fits:
+                assert p.kept == grown, "the cut moved although the grown history fits"
+        assert run(history, rules).plan == p  # stateless: a restart plans the same
+        prev, prev_n = p.kept, len(history)

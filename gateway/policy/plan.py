@@ -7,6 +7,7 @@ needs, so a history that clearly fits is never tokenized on the request path.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ class PlanRules:
     max_pinned: int = 8
     drop_unit: str = "turn"
     min_score: float = 0.7
+    low_water: float = 1.0  # 1.0 = cut just under the budget (a sliding window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +60,8 @@ class Plan:
         return max(sorted(counts), key=lambda s: counts[s])
 
 
-@dataclass(slots=True)
-class _Totals:
-    tokens: int = 0
-    chars: int = 0
-    messages: int = 0
+_NO_LIMIT = 1 << 62
+Cost = tuple[int, int, int]  # tokens, chars, messages
 
 
 @dataclass(slots=True)
@@ -70,46 +69,52 @@ class _State:
     conv: Conversation
     rules: PlanRules
     tokens_of: Callable[[int], int]
+    weight_of: Callable[[int], int]
     count_tokens: bool
     decision: list[tuple[str, str] | None]  # per group: (KEEP|DROP, stage)
-    totals: _Totals = field(default_factory=_Totals)
+    tokens_used: int = 0
+    chars_used: int = 0
+    messages_used: int = 0
     turn_anchor: dict[int, int] = field(default_factory=dict)  # turn -> its user group
-    group_tokens: dict[int, int] = field(default_factory=dict)
+    group_tokens: list[int] = field(default_factory=list)  # -1 = not counted yet
     pinned_overflow: int = 0
+    max_tokens: int = _NO_LIMIT
+    max_chars: int = _NO_LIMIT
+    max_messages: int = _NO_LIMIT
 
     def tokens(self, g: int) -> int:
-        if not self.count_tokens:
-            return 0
-        n = self.group_tokens.get(g)
-        if n is None:
-            n = sum(self.tokens_of(i) for i in self.conv.groups[g].indices)
+        n = self.group_tokens[g]
+        if n < 0:
+            tokens_of = self.tokens_of
+            n = sum(tokens_of(i) for i in self.conv.groups[g].indices) if self.count_tokens else 0
             self.group_tokens[g] = n
         return n
 
-    def cost(self, gs: Sequence[int]) -> _Totals:
+    def cost(self, gs: Sequence[int]) -> Cost:
         groups = self.conv.groups
-        return _Totals(
-            tokens=sum(self.tokens(g) for g in gs),
-            chars=sum(groups[g].chars for g in gs),
-            messages=sum(len(groups[g].indices) for g in gs),
-        )
+        t = c = m = 0
+        for g in gs:
+            grp = groups[g]
+            t += self.tokens(g)
+            c += grp.chars
+            m += len(grp.indices)
+        return t, c, m
 
-    def fits(self, extra: _Totals) -> bool:
-        lim, t = self.rules.limits, self.totals
+    def fits(self, extra: Cost) -> bool:
         return (
-            (lim.max_tokens is None or t.tokens + extra.tokens <= lim.max_tokens)
-            and (lim.max_chars is None or t.chars + extra.chars <= lim.max_chars)
-            and (lim.max_messages is None or t.messages + extra.messages <= lim.max_messages)
+            self.tokens_used + extra[0] <= self.max_tokens
+            and self.chars_used + extra[1] <= self.max_chars
+            and self.messages_used + extra[2] <= self.max_messages
         )
 
     def keep(self, gs: Sequence[int], stage: str) -> None:
-        add = self.cost([g for g in gs if self.decision[g] is None])
-        for g in gs:
-            if self.decision[g] is None:
-                self.decision[g] = (KEEP, stage)
-        self.totals.tokens += add.tokens
-        self.totals.chars += add.chars
-        self.totals.messages += add.messages
+        new = [g for g in gs if self.decision[g] is None]
+        t, c, m = self.cost(new)
+        for g in new:
+            self.decision[g] = (KEEP, stage)
+        self.tokens_used += t
+        self.chars_used += c
+        self.messages_used += m
 
     def drop(self, g: int, stage: str) -> None:
         if self.decision[g] is None:
@@ -139,7 +144,8 @@ def keep_pinned(st: _State) -> None:
     if not st.rules.keep_pinned:
         return
     cur = st.current_turn
-    ranked: list[tuple[tuple[int, float, int], int, int]] = []
+    ranked: list[tuple[tuple[int, float, int], int]] = []
+    n_active: dict[int, int] = {}
     for g, grp in enumerate(st.conv.groups):
         if st.decision[g] is not None:
             continue
@@ -147,29 +153,41 @@ def keep_pinned(st: _State) -> None:
             p for _, p in grp.pins if is_active(p, grp.turn, cur, st.rules.min_score)
         ]
         if active:
+            n_active[g] = len(active)
             best = max(
                 (int(p.explicit), p.score if p.score is not None else 0.0, g) for p in active
             )
-            ranked.append((best, g, len(active)))
+            ranked.append((best, g))
     ranked.sort(reverse=True)
     budget = st.rules.max_pinned
-    for _, g, n in ranked:
+    for _, g in ranked:
+        if st.decision[g] is not None:  # already kept as the user message of a pinned group
+            continue
         gs = st.with_anchor(g)
-        if n <= budget and gs is not None:
-            budget -= n
+        # a pinned user message kept as the anchor counts against max_pinned too
+        cost = sum(n_active.get(h, 0) for h in gs if st.decision[h] is None) if gs else 0
+        if gs is not None and cost <= budget:
+            budget -= cost
             st.keep(gs, "pinned")
         else:
-            st.pinned_overflow += n
+            st.pinned_overflow += n_active[g]
 
 
 def keep_recent_turns(st: _State) -> None:
-    """Hard cap: turns older than the last max_turns are dropped."""
+    """Hard cap: turns older than the last max_turns are dropped.
+
+    With low_water < 1 the cap moves in steps of (1 - low_water) * max_turns
+    turns, so the oldest kept turn (and the forwarded prefix) stays the same
+    for several requests instead of sliding by one turn each time.
+    """
     limit = st.rules.limits.max_turns
     if limit is None:
         return
-    oldest_allowed = st.current_turn - limit + 1
-    if oldest_allowed <= 1:  # turn 0 (before any user message) goes only with turn 1
+    need = st.current_turn - limit + 1  # the oldest turn the cap allows
+    if need <= 1:  # turn 0 (before any user message) goes only with turn 1
         return
+    step = max(1, math.ceil((1.0 - st.rules.low_water) * limit))
+    oldest_allowed = 1 + step * math.ceil((need - 1) / step)
     for g, grp in enumerate(st.conv.groups):
         if grp.turn < oldest_allowed:
             st.drop(g, "recent_turns")
@@ -185,15 +203,72 @@ def fit_length_budget(st: _State) -> None:
     for g, grp in enumerate(groups):
         if st.decision[g] is None:
             by_turn.setdefault(grp.turn, []).append(g)
+    turns = sorted(by_turn, reverse=True)
+    cut = _stepped_cut(st, by_turn) if st.rules.low_water < 1.0 and turns else None
     full = False
-    for turn in sorted(by_turn, reverse=True):
+    for turn in turns:
         gs = by_turn[turn]
+        if cut is not None:
+            if turn >= cut:
+                st.keep(gs, "length")
+                continue
+            full = True
         if not full and st.fits(st.cost(gs)):
             st.keep(gs, "length")
             continue
         full = True  # contiguous recency: nothing older than a turn that did not fit
         for g in gs:
             st.drop(g, "length")
+
+
+def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
+    """The first turn to keep, chosen among fixed checkpoints of the history.
+
+    Checkpoints sit every (1 - low_water) of the budget along the history,
+    measured from its start with a cheap size (UTF-8 bytes / 4 for tokens,
+    characters, messages), so they do not move as turns are appended. The cut
+    is the earliest checkpoint whose tail fits; it stays put until the tail no
+    longer fits, then jumps to a checkpoint about one step later, leaving the
+    history near the low-water mark. Recomputed from the history alone, the
+    same cut comes back after a restart or on another replica.
+    """
+    limits = st.rules.limits
+    conv = st.conv
+    weight = st.weight_of
+    step = 1.0 - st.rules.low_water
+    per_turn: dict[int, float] = {}
+    for grp in conv.groups:
+        if grp.turn >= conv.n_turns:
+            continue
+        w = 0.0
+        if limits.max_tokens is not None:
+            w = max(w, sum(weight(i) for i in grp.indices) / limits.max_tokens)
+        if limits.max_chars is not None:
+            w = max(w, grp.chars / limits.max_chars)
+        if limits.max_messages is not None:
+            w = max(w, len(grp.indices) / limits.max_messages)
+        per_turn[grp.turn] = per_turn.get(grp.turn, 0.0) + w
+    checkpoints: list[int] = [min(per_turn)] if per_turn else []  # cutting nothing
+    offset = 0.0
+    mark = 0
+    for turn in sorted(per_turn):
+        if int(offset / step) > mark:
+            mark = int(offset / step)
+            checkpoints.append(turn)
+        offset += per_turn[turn]
+    # newest checkpoint first: the tail only grows, so stop at the first that does not
+    # fit; only the tail that decides is ever tokenized
+    is_checkpoint = set(checkpoints)
+    best: int | None = None
+    t_sum = c_sum = m_sum = 0
+    for turn in sorted(is_checkpoint.union(by_turn), reverse=True):
+        t, c, m = st.cost(by_turn.get(turn, ()))
+        t_sum, c_sum, m_sum = t_sum + t, c_sum + c, m_sum + m
+        if turn in is_checkpoint:
+            if not st.fits((t_sum, c_sum, m_sum)):
+                break
+            best = turn
+    return best
 
 
 def _fit_groups(st: _State) -> None:
@@ -244,11 +319,14 @@ def plan(
     tokens_of: Callable[[int], int],
     overhead_tokens: int = 0,
     tokens_upper_bound: int | None = None,
+    weight_of: Callable[[int], int] | None = None,
 ) -> Plan:
     """Decide which messages to keep.
 
     `tokens_of(i)` gives message i's tokens; `overhead_tokens` is what the request
-    pays besides messages (priming, tool schemas). `tokens_upper_bound`, when
+    pays besides messages (priming, tool schemas). `weight_of(i)` is a cheap,
+    stable size of message i in token units, used to place stepped cuts
+    (default: its characters / 4). `tokens_upper_bound`, when
     given, is a cheap bound on the total (e.g. the body size in bytes): if it and
     the other measures already fit, nothing is tokenized and nothing dropped.
     """
@@ -269,17 +347,24 @@ def plan(
         conv=conv,
         rules=rules,
         tokens_of=tokens_of,
+        weight_of=weight_of or (lambda i: (conv.chars[i] + 3) // 4),
         count_tokens=lim.max_tokens is not None,
         decision=[None] * len(groups),
+        group_tokens=[-1] * len(groups),
+        max_tokens=_NO_LIMIT if lim.max_tokens is None else lim.max_tokens,
+        max_chars=_NO_LIMIT if lim.max_chars is None else lim.max_chars,
+        max_messages=_NO_LIMIT if lim.max_messages is None else lim.max_messages,
     )
     for g, grp in enumerate(groups):
         if grp.is_user and grp.turn not in st.turn_anchor:
             st.turn_anchor[grp.turn] = g
     # system/developer and the current turn are not subject to eviction
-    st.totals.messages = len(conv.fixed)
-    st.totals.chars = sum(conv.chars[i] for i in conv.fixed)
-    if st.count_tokens:
-        st.totals.tokens = overhead_tokens + sum(tokens_of(i) for i in conv.fixed)
+    st.messages_used = len(conv.fixed)
+    st.chars_used = sum(conv.chars[i] for i in conv.fixed)
+    fixed_tokens = (
+        overhead_tokens + sum(tokens_of(i) for i in conv.fixed) if st.count_tokens else 0
+    )
+    st.tokens_used = fixed_tokens
     current = [g for g, grp in enumerate(groups) if grp.turn == conv.n_turns]
     st.keep(current, "current")
     for name in rules.order:
@@ -297,12 +382,9 @@ def plan(
         if d is not None and d[0] == DROP
         for i in groups[g].indices
     )
-    final = st.cost(kept_groups)
-    fixed_tokens = (
-        overhead_tokens + sum(tokens_of(i) for i in conv.fixed) if st.count_tokens else 0
-    )
-    kept_tokens = fixed_tokens + final.tokens
-    kept_chars = final.chars + sum(conv.chars[i] for i in conv.fixed)
+    final_tokens, final_chars, _ = st.cost(kept_groups)
+    kept_tokens = fixed_tokens + final_tokens
+    kept_chars = final_chars + sum(conv.chars[i] for i in conv.fixed)
     over = (
         (lim.max_tokens is not None and kept_tokens > lim.max_tokens)
         or (lim.max_chars is not None and kept_chars > lim.max_chars)

@@ -42,16 +42,25 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
         if not isinstance(role, str):
             raise Unplannable("missing_role")
         content = m.get("content")
-        chars.append(content_chars(content))
-        if isinstance(content, list):
-            media += sum(
-                1 for p in content if not (isinstance(p, dict) and isinstance(p.get("text"), str))
-            )
+        if type(content) is str:
+            n_chars = len(content)
+            text = content
+        else:
+            n_chars = content_chars(content)
+            text = first_text(content)
+            if isinstance(content, list):
+                media += sum(
+                    1 for p in content
+                    if not (isinstance(p, dict) and isinstance(p.get("text"), str))
+                )
+        chars.append(n_chars)
         meta = None
         if META_KEY in m:
             has_meta = True
             meta = read_metadata(m[META_KEY], f"messages[{i}].{META_KEY}")
-        pin = pin_of(meta, first_text(content), prefix, min_score)
+        pin = None
+        if meta is not None or (text and text.lstrip().startswith(prefix)):
+            pin = pin_of(meta, text, prefix, min_score)
 
         if role in FIXED_ROLES:
             fixed.append(i)
@@ -92,7 +101,7 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
         else:
             raise Unplannable("unknown_role")
         grp = groups[-1]
-        grp.chars += chars[i]
+        grp.chars += n_chars
         if pin is not None:
             grp.pins.append((i, pin))
     return Conversation(
@@ -140,6 +149,25 @@ def message_tokens(m: dict[str, Any], counter: TokenCounter) -> int:
     if isinstance(fc, dict):
         n += counter.count(str(fc.get("name", ""))) + counter.count(str(fc.get("arguments", "")))
     return n
+
+
+def _utf8_len(s: str) -> int:
+    return len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass"))
+
+
+def message_weight(m: dict[str, Any]) -> int:
+    """A cheap, stable size in token units (UTF-8 bytes / 4 + overhead), no tokenizer."""
+    content = m.get("content")
+    if isinstance(content, str):
+        size = _utf8_len(content)
+    elif content is None:
+        size = 0
+    else:
+        size = len(orjson.dumps(content))
+    calls = m.get("tool_calls")
+    if calls:
+        size += len(orjson.dumps(calls))
+    return PER_MESSAGE + 1 + (size + 3) // 4
 
 
 def overhead_tokens(body: dict[str, Any], counter: TokenCounter) -> int:

@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Plan time per request vs history length (not a test: a benchmark to read).
+
+    python tests/perf/bench_plan.py [--repeat 20]
+
+For histories of 10 / 100 / 300 / 1,000 / 10,000 messages (tool calls, pins,
+Chinese text), with a budget that evicts, it times `decide()` — parse, plan,
+build the forwarded body — on first sight (empty token cache) and on a warm
+session (the same history seen before, plus one new turn), and the full
+`est_tokens` count the [mem] line needs. Ratios matter more than absolute
+times on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from gateway.chat import decide
+from gateway.rules import build_rules
+from gateway.tokens import Tokenizers
+
+ROOT = Path(__file__).resolve().parents[2]
+ZH = "请检查 /data/orders 目录下上周的数据，按状态汇总订单，看看有没有异常的分区。"
+EN = ("The retry loop now uses exponential backoff with jitter; the pool is shared and "
+      "tool results are trimmed before they are sent upstream.")
+
+
+def history(n: int, seed: int = 7) -> list[dict[str, Any]]:
+    rnd = random.Random(seed)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful assistant."}]
+    t = 0
+    while len(msgs) < n - 1:
+        t += 1
+        text = (ZH if t % 5 == 0 else EN) + f" (turn {t}, {rnd.random():.6f})"
+        msgs.append({"role": "user", "content": ("[PIN] " if t % 37 == 1 else "") + text})
+        if t % 3 == 0:
+            cid = f"call_{t}"
+            msgs.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": cid, "type": "function",
+                 "function": {"name": "read_file", "arguments": f'{{"path": "/src/m{t}.py"}}'}}]})
+            msgs.append({"role": "tool", "tool_call_id": cid, "content": EN * 4})
+        msgs.append({"role": "assistant", "content": EN + f" [{t}]"})
+    msgs = msgs[: n - 1]
+    while msgs[-1]["role"] == "tool" or msgs[-1].get("tool_calls"):
+        msgs.pop()
+    msgs.append({"role": "user", "content": "What next?"})
+    return msgs
+
+
+def timed(fn: Any, repeat: int) -> float:
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeat", type=int, default=20)
+    args = ap.parse_args()
+    rules = build_rules({"memory": {"enable_eviction": True, "budget": {
+        "max_tokens": 6000, "max_chars": None, "max_messages": None, "max_turns": None}},
+        "tokens": {"models_file": "rules/models.yaml"}}, base_dir=ROOT)
+    print(f"{'messages':>9} {'bytes':>10} {'cold ms':>9} {'warm ms':>9} {'warm+1 ms':>10}"
+          f" {'est_tokens cold ms':>19} {'est_tokens warm ms':>19}")
+    for n in (10, 100, 300, 1000, 10000):
+        msgs = history(n)
+        raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+        grown = orjson.dumps({"model": "gpt-4o-mini",
+                              "messages": [*msgs, {"role": "assistant", "content": "ok"},
+                                           {"role": "user", "content": "and then?"}]})
+
+        def cold() -> None:
+            decide(raw, orjson.loads(raw), rules, Tokenizers(200_000))
+
+        warm_tok = Tokenizers(200_000)
+        decide(raw, orjson.loads(raw), rules, warm_tok)
+
+        def warm() -> None:
+            decide(raw, orjson.loads(raw), rules, warm_tok)
+
+        def warm_grown() -> None:
+            decide(grown, orjson.loads(grown), rules, warm_tok)
+
+        def est_cold() -> None:
+            decide(raw, orjson.loads(raw), rules, Tokenizers(200_000)).est_tokens()
+
+        def est_warm() -> None:
+            decide(raw, orjson.loads(raw), rules, warm_tok).est_tokens()
+
+        rep = max(3, args.repeat if n <= 1000 else args.repeat // 4)
+        print(f"{n:>9} {len(raw):>10} {timed(cold, rep):>9.3f} {timed(warm, rep):>9.3f}"
+              f" {timed(warm_grown, rep):>10.3f} {timed(est_cold, rep):>19.3f}"
+              f" {timed(est_warm, rep):>19.3f}")
+
+
+if __name__ == "__main__":
+    main()
