@@ -151,23 +151,28 @@ def message_tokens(m: dict[str, Any], counter: TokenCounter) -> int:
     return n
 
 
-def _utf8_len(s: str) -> int:
-    return len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass"))
+def _approx_tokens(s: str) -> int:
+    """~4 ASCII characters per token, ~1 token per CJK character; no tokenizer."""
+    n = len(s)
+    if s.isascii():
+        return (n + 3) // 4
+    wide = (len(s.encode("utf-8", "surrogatepass")) - n) // 2  # 3-byte chars count 1
+    return (n - wide + 3) // 4 + wide
 
 
 def message_weight(m: dict[str, Any]) -> int:
-    """A cheap, stable size in token units (UTF-8 bytes / 4 + overhead), no tokenizer."""
+    """A cheap, stable size in token units for placing stepped cuts (no tokenizer)."""
     content = m.get("content")
     if isinstance(content, str):
-        size = _utf8_len(content)
+        n = _approx_tokens(content)
     elif content is None:
-        size = 0
+        n = 0
     else:
-        size = len(orjson.dumps(content))
+        n = _approx_tokens(orjson.dumps(content).decode("utf-8"))
     calls = m.get("tool_calls")
     if calls:
-        size += len(orjson.dumps(calls))
-    return PER_MESSAGE + 1 + (size + 3) // 4
+        n += _approx_tokens(orjson.dumps(calls).decode("utf-8"))
+    return PER_MESSAGE + 1 + n
 
 
 def overhead_tokens(body: dict[str, Any], counter: TokenCounter) -> int:
