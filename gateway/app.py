@@ -17,6 +17,7 @@ from .rules import Rules
 from .state import SessionStore
 from .tokens import Tokenizers
 from .upstream import UpstreamPool
+from .wire import PATHS
 
 
 @dataclass
@@ -108,6 +109,7 @@ def create_app(
     app.cleanup_ctx.append(resources)
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/readyz", handlers.readyz)
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    for path, wire in PATHS.items():
+        app.router.add_post(path, handlers.intercept(wire))
     app.router.add_route("*", "/{tail:.*}", handlers.passthrough)
     return app

@@ -1,69 +1,77 @@
-"""One chat request from bytes to decision: parse, plan, build the forwarded body.
+"""One request from bytes to decision: parse, plan, build the forwarded body.
 
 Shared by the server handler and `memgate evict`, so the CLI explains exactly
-what the gateway would forward. No I/O and no logging here.
+what the gateway would forward. Works for every wire format. No I/O, no logging.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .conversation import Conversation, Unplannable, content_chars
+from .conversation import Conversation, Unplannable
 from .errors import BadRequest, OverBudget
 from .policy import Limits, Plan, PlanRules, plan
 from .rules import Rules
 from .tokens import TokenCounter, Tokenizers
-from .wire import openai_chat
+from .wire.base import Wire
+from .wire.openai_chat import OPENAI_CHAT
 
 
 @dataclass(slots=True)
 class Decision:
     raw: bytes
     payload: Any
+    wire: Wire
     mode: str
     model: str | None
     counter: TokenCounter
     forward: bytes
+    token_factor: float = 1.0
     conv: Conversation | None = None
     plan: Plan | None = None
     skip_reason: str | None = None
     budget_tokens: int | None = None
+    cache_marker_dropped: bool = False
+    cache_marker_moved: bool = False
+    _items: list[Any] | None = None
     _msg_tokens: dict[int, int] = field(default_factory=dict)
 
     @property
     def messages(self) -> list[Any]:
-        msgs = self.payload.get("messages") if isinstance(self.payload, dict) else None
-        return msgs if isinstance(msgs, list) else []
+        """The history list eviction works on (`messages`, or Responses `input`)."""
+        if self._items is None:
+            items = self.wire.items(self.payload) if isinstance(self.payload, dict) else None
+            self._items = items if items is not None else []
+        return self._items
+
+    def _scaled(self, n: int) -> int:
+        return n if self.token_factor == 1.0 else math.ceil(n * self.token_factor)
 
     def message_tokens(self, i: int) -> int:
         n = self._msg_tokens.get(i)
         if n is None:
-            n = openai_chat.message_tokens(self.messages[i], self.counter)
+            n = self._scaled(self.wire.item_tokens(self.messages[i], self.counter))
             self._msg_tokens[i] = n
         return n
 
     def overhead_tokens(self) -> int:
-        return openai_chat.overhead_tokens(self.payload, self.counter)
+        if not isinstance(self.payload, dict):
+            return 0
+        return self._scaled(self.wire.overhead_tokens(self.payload, self.counter))
 
     def hist_chars(self) -> int:
         if self.conv is not None:
             return self.conv.total_chars
-        return sum(
-            content_chars(m.get("content")) for m in self.messages
-            if isinstance(m, dict)
-        )
+        return sum(self.wire.item_chars(m) for m in self.messages)
 
     def est_tokens(self) -> int:
-        """Exact estimate for the whole history (cached per message content)."""
+        """The estimate for the whole request (counts cached per message content)."""
         msgs = self.messages
         if not msgs or not all(isinstance(m, dict) for m in msgs):
             return 0
         return self.overhead_tokens() + sum(self.message_tokens(i) for i in range(len(msgs)))
-
-    @property
-    def changed(self) -> bool:
-        return self.forward is not self.raw
 
 
 def budget_tokens(rules: Rules, payload: dict[str, Any], model: str | None) -> int | None:
@@ -71,7 +79,11 @@ def budget_tokens(rules: Rules, payload: dict[str, Any], model: str | None) -> i
     if b.max_tokens != "auto":
         return b.max_tokens
     window = rules.model_info(model).context_window
-    reserve = payload.get("max_completion_tokens") or payload.get("max_tokens")
+    reserve = (
+        payload.get("max_completion_tokens")
+        or payload.get("max_output_tokens")
+        or payload.get("max_tokens")
+    )
     if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0:
         reserve = b.reserve_output_tokens
     return max(1, int((window - reserve) * b.safety_ratio))
@@ -95,43 +107,50 @@ def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
     )
 
 
-def decide(raw: bytes, payload: Any, rules: Rules, tokenizers: Tokenizers) -> Decision:
-    """Plan one chat-completions request; raises BadRequest / OverBudget for the client."""
+def decide(
+    raw: bytes, payload: Any, rules: Rules, tokenizers: Tokenizers, wire: Wire = OPENAI_CHAT
+) -> Decision:
+    """Plan one request; raises BadRequest / OverBudget for the client."""
     model = payload.get("model") if isinstance(payload, dict) else None
     model = model if isinstance(model, str) else None
     counter = tokenizers.get(rules.model_info(model).encoding)
-    mode = rules.memory.mode
-    d = Decision(raw=raw, payload=payload, mode=mode, model=model, counter=counter, forward=raw)
+    d = Decision(
+        raw=raw, payload=payload, wire=wire, mode=rules.memory.mode, model=model,
+        counter=counter, forward=raw,
+        token_factor=rules.approx_token_factor if wire.approx_tokens else 1.0,
+    )
     if payload is None:
         d.skip_reason = "invalid_json"
         return d
     if not isinstance(payload, dict):
         d.skip_reason = "not_an_object"
         return d
-    messages = payload.get("messages")
-    if not isinstance(messages, list):
+    items = wire.items(payload)
+    if items is None:
         d.skip_reason = "no_messages"
         return d
     markers = rules.memory.markers
     try:
-        d.conv = openai_chat.parse(messages, markers.system_prefix, markers.min_score)
+        d.conv = wire.parse(items, markers.system_prefix, markers.min_score)
     except Unplannable as exc:
         d.skip_reason = exc.reason
         return d
     except ValueError as exc:  # BadMetadata
         raise BadRequest(str(exc)) from None
+    d.conv.outside_chars = wire.fixed_chars(payload)
     d.budget_tokens = budget_tokens(rules, payload, model)
-    if mode != "off":
+    d.skip_reason = wire.skip_reason(payload)
+    if d.mode != "off" and d.skip_reason is None:
         d.plan = plan(
             d.conv,
             plan_rules(rules, d.budget_tokens),
             d.message_tokens,
             overhead_tokens=d.overhead_tokens() if d.budget_tokens is not None else 0,
-            tokens_upper_bound=len(raw) + d.conv.media_parts * 85,
-            weight_of=lambda i: openai_chat.message_weight(messages[i]),
+            tokens_upper_bound=_bytes_bound(raw, d),
+            weight_of=lambda i: wire.item_weight(items[i]),
         )
         if (
-            mode == "on"
+            d.mode == "on"
             and d.plan.over_budget
             and rules.memory.eviction.on_over_budget == "reject"
         ):
@@ -141,9 +160,30 @@ def decide(raw: bytes, payload: Any, rules: Rules, tokenizers: Tokenizers) -> De
                 f"max_chars={rules.memory.budget.max_chars}, "
                 f"max_messages={rules.memory.budget.max_messages}); shorten the current turn"
             )
-    if mode == "on" and d.plan is not None and d.plan.dropped:
-        d.forward = openai_chat.build_body(payload, list(d.plan.kept))
+    if d.plan is not None and d.plan.dropped:
+        d.cache_marker_dropped = any(wire.has_cache_marker(items[i]) for i, _ in d.plan.dropped)
+    if d.mode == "on" and d.plan is not None and d.plan.dropped:
+        marker_at = None
+        if d.cache_marker_dropped and rules.memory.eviction.move_cache_marker:
+            marker_at = _end_of_stable_prefix(d.conv, d.plan)
+            d.cache_marker_moved = marker_at is not None
+        d.forward = wire.build_body(payload, list(d.plan.kept), marker_at)
     elif d.conv.has_metadata:
         # gateway metadata is ours: upstreams never see it, whatever the mode
-        d.forward = openai_chat.build_body(payload, list(range(len(messages))))
+        d.forward = wire.build_body(payload, list(range(len(items))))
     return d
+
+
+def _end_of_stable_prefix(conv: Conversation, p: Plan) -> int | None:
+    """The last kept item before the current turn: the end of what stays identical."""
+    current = [i for g in conv.groups if g.turn == conv.n_turns for i in g.indices]
+    start = min(current) if current else conv.n_messages
+    before = [i for i in p.kept if i < start]
+    return before[-1] if before else None
+
+
+def _bytes_bound(raw: bytes, d: Decision) -> int:
+    """Tokens never exceed the body's bytes (a token is at least one byte), plus a
+    fixed estimate per media part, scaled like the counts themselves."""
+    media = d.conv.media_parts if d.conv is not None else 0
+    return math.ceil((len(raw) + media * 85) * d.token_factor)

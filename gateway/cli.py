@@ -83,12 +83,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     if args.upstream:
         env["MEMGATE_UPSTREAM"] = args.upstream
+    if args.anthropic_upstream:
+        env["MEMGATE_ANTHROPIC_UPSTREAM"] = args.anthropic_upstream
     config = default_config(args.config, env)
     rules = _load_or_exit(config, env)
     mglog.configure(rules.log_format, rules.log_level)
     log = mglog.get_logger()
     log.info("config_loaded", file=rules.source, mode=rules.memory.mode,
-             upstream=rules.upstreams[0].base_url)
+             upstreams=",".join(f"{u.name}={u.base_url}" for u in rules.upstreams))
     app = create_app(rules, config, env)
     host = args.host or rules.listen_host
     port = args.port if args.port is not None else rules.listen_port
@@ -117,6 +119,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     from .chat import decide
     from .conversation import is_active
     from .tokens import Tokenizers
+    from .wire import WIRES, sniff
 
     env = dict(os.environ)
     rules = _load_or_exit(default_config(args.config, env), env)
@@ -127,8 +130,9 @@ def cmd_evict(args: argparse.Namespace) -> int:
         print(f"memgate evict: {args.payload}: not JSON: {exc}", file=sys.stderr)
         return 2
     tokenizers = Tokenizers(rules.token_cache_size)
+    wire = WIRES[args.api] if args.api else sniff(payload, Path(args.payload).name)
     try:
-        d = decide(raw, payload, rules, tokenizers)
+        d = decide(raw, payload, rules, tokenizers, wire)
     except GatewayError as exc:
         print(f"memgate evict: the gateway would answer {exc.status}: {exc.message}",
               file=sys.stderr)
@@ -149,12 +153,14 @@ def cmd_evict(args: argparse.Namespace) -> int:
         for i, pin in g.pins
         if is_active(pin, g.turn, d.conv.n_turns, rules.memory.markers.min_score)
     } if d.conv else set()
-    print(f"{'idx':>4}  {'role':<10} {'tokens':>7} {'chars':>7}  pin  {'':7} stage")
+    print(f"api: {wire.name}")
+    print(f"{'idx':>4}  {'role':<22} {'tokens':>7} {'chars':>7}  pin  {'':7} stage")
     for i, m in enumerate(d.messages):
         status = "dropped" if i in dropped else "kept"
         stage = dropped.get(i) or kept_by.get(i, "")
+        role = str(m.get("role") or m.get("type"))
         print(
-            f"{i:>4}  {str(m.get('role')):<10} {d.message_tokens(i):>7} {d.conv.chars[i]:>7}"
+            f"{i:>4}  {role:<22} {d.message_tokens(i):>7} {d.conv.chars[i]:>7}"
             f"  {'yes' if i in pinned else '   '}  {status:<7} {stage}"
         )
     total = d.est_tokens()
@@ -184,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None)
     s.add_argument("--port", type=int, default=None)
     s.add_argument("--upstream", help="OpenAI-compatible upstream base URL (= MEMGATE_UPSTREAM)")
+    s.add_argument("--anthropic-upstream",
+                   help="Anthropic upstream base URL (= MEMGATE_ANTHROPIC_UPSTREAM)")
     s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="gateway + mock upstream + samples, offline")
@@ -199,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("payload", help="chat request body (JSON file, or - for stdin)")
     e.add_argument("--config", default=None)
     e.add_argument("--json", action="store_true", help="print the exact body it would forward")
+    e.add_argument("--api", choices=["chat", "messages", "responses"], default=None,
+                   help="the payload's API (default: from the file name prefix, else its shape)")
     e.set_defaults(func=cmd_evict)
     return ap
 

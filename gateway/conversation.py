@@ -57,6 +57,7 @@ class Conversation:
     chars: list[int]  # per message, the jq definition
     media_parts: int = 0  # non-text content parts (estimated, not tokenized)
     has_metadata: bool = False
+    outside_chars: int = 0  # always-kept text outside the list (Anthropic `system`, ...)
 
     @property
     def total_chars(self) -> int:

@@ -13,6 +13,7 @@ import asyncio
 import os
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ from .app import STATE, create_app
 from .cli import PROJECT_ROOT, default_config, run_async
 from .mock_upstream import RECORD, create_mock_app
 from .rules import load_rules
-from .wire import openai_chat
+from .chat import decide
+from .wire import path_of, sniff
 
 
 def _samples_dir(explicit: str | None) -> Path:
@@ -65,8 +67,9 @@ async def _replay(gw: str, samples: list[Path], phase: str) -> None:
     async with aiohttp.ClientSession() as http:
         for path in samples:
             body = path.read_bytes()
+            api_path = path_of(sniff(None, path.name))
             async with http.post(
-                f"{gw}/v1/chat/completions",
+                f"{gw}{api_path}",
                 data=body,
                 headers={"Content-Type": "application/json", "X-Session-Id": path.stem,
                          "Authorization": "Bearer sk-demo-not-a-real-key"},
@@ -83,7 +86,8 @@ async def _demo(args: argparse.Namespace) -> int:
     mem: list[dict[str, Any]] = []
     mglog.configure("console", "info", stream=sys.stdout, sink=mem)
     env = {k: v for k, v in os.environ.items()
-           if k not in ("MEMGATE_ENABLE_EVICTION", "MEMGATE_SHADOW", "MEMGATE_UPSTREAM")}
+           if k not in ("MEMGATE_ENABLE_EVICTION", "MEMGATE_SHADOW", "MEMGATE_UPSTREAM",
+                        "MEMGATE_ANTHROPIC_UPSTREAM")}
     with tempfile.TemporaryDirectory(prefix="memgate-demo-") as tmp:
         cfg = Path(tmp) / "gateway.yaml"
         src = default_config(args.config, env)
@@ -91,6 +95,7 @@ async def _demo(args: argparse.Namespace) -> int:
         mock = create_mock_app()
         mock_runner, mock_port = await _start(mock)
         env["MEMGATE_UPSTREAM"] = f"http://127.0.0.1:{mock_port}"
+        env["MEMGATE_ANTHROPIC_UPSTREAM"] = f"http://127.0.0.1:{mock_port}"
         gw_app = create_app(load_rules(cfg, env), cfg, env, watch_interval_s=0.2)
         gw_runner, gw_port = await _start(gw_app)
         gw = f"http://127.0.0.1:{gw_port}"
@@ -124,20 +129,20 @@ def _print_table(samples: list[Path], mem: list[dict[str, Any]], records: list[d
     by_session_b = {e["session"]: e for e in mem[n:]}
     got_b = {r["session"]: r for r in records[n:]}
     print("\n== before / after (what the upstream received)")
-    head = (f"{'sample':<18} {'msgs':>5} {'tokens':>7} {'chars':>7} | {'shadow would_drop':>17} |"
+    head = (f"{'sample':<21} {'msgs':>5} {'tokens':>7} {'chars':>7} | {'shadow would_drop':>17} |"
             f" {'fwd msgs':>8} {'fwd tokens':>10} {'fwd chars':>9} {'pinned':>6} {'evict':>12}")
     print(head)
     print("-" * len(head))
+    off = replace(state.rules, memory=replace(state.rules.memory, enable_eviction=False,
+                                              shadow=False))
     for path in samples:
         a, b = by_session_a[path.stem], by_session_b[path.stem]
         body = got_b[path.stem]["body"]
-        counter = state.tokenizers.get(state.rules.model_info(body.get("model")).encoding)
-        fwd_tokens = openai_chat.overhead_tokens(body, counter) + sum(
-            openai_chat.message_tokens(m, counter) for m in body["messages"])
-        fwd_chars = sum(openai_chat.content_chars(m.get("content")) for m in body["messages"])
+        fwd = decide(orjson.dumps(body), body, off, state.tokenizers, sniff(body, path.name))
+        fwd_tokens, fwd_chars = fwd.est_tokens(), fwd.hist_chars()
         print(
-            f"{path.stem:<18} {a['hist_msgs']:>5} {a['est_tokens']:>7} {a['hist_chars']:>7} |"
-            f" {a.get('would_drop', 0):>17} | {len(body['messages']):>8} {fwd_tokens:>10}"
+            f"{path.stem:<21} {a['hist_msgs']:>5} {a['est_tokens']:>7} {a['hist_chars']:>7} |"
+            f" {a.get('would_drop', 0):>17} | {len(fwd.messages):>8} {fwd_tokens:>10}"
             f" {fwd_chars:>9} {b['pinned']:>6} {b['evict']:>12}"
         )
     print("\nThe same history, measured once with eviction off (A) and once on (B); "

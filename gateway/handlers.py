@@ -6,6 +6,7 @@ import asyncio
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -17,12 +18,15 @@ from .errors import ApiFlavor, GatewayError, PayloadTooLarge, render_error
 from .session import session_id, tenant_of
 from .state import SessionRecord, compare_cut, fingerprint
 from .upstream import Relayed, relay
+from .wire.base import Wire
+from .wire.openai_chat import OPENAI_CHAT
 
 _RID = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def flavor_for(path: str) -> ApiFlavor:
     return "anthropic" if path.startswith("/v1/messages") else "openai"
+
 
 
 def error_response(err: GatewayError, flavor: ApiFlavor) -> web.Response:
@@ -114,41 +118,50 @@ def mem_fields(d: Decision | None, include_indices: bool) -> dict[str, Any]:
     return f
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state: GatewayState = request.app[STATE]
-    rules = state.rules  # one snapshot for the whole request
-    t0 = time.perf_counter()
-    rid = _RID.sub("", request.headers.get("X-Request-Id", ""))[:64] or uuid.uuid4().hex[:16]
-    info = Relayed()
-    d: Decision | None = None
-    overhead_ms = 0.0
-    try:
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def intercept(wire: Wire) -> Handler:
+    """A handler that measures, plans and forwards one API's requests."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        state: GatewayState = request.app[STATE]
+        rules = state.rules  # one snapshot for the whole request
+        t0 = time.perf_counter()
+        rid = _RID.sub("", request.headers.get("X-Request-Id", ""))[:64] or uuid.uuid4().hex[:16]
+        info = Relayed()
+        d: Decision | None = None
+        overhead_ms = 0.0
         try:
-            raw = await read_body(request, rules.max_body_bytes)
             try:
-                payload = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                payload = None
-            d = decide(raw, payload, rules, state.tokenizers)
-            up = rules.upstream_for(request.path, d.model)
-            overhead_ms = (time.perf_counter() - t0) * 1000
-            return await relay(request, state.pool, up, d.forward, info)
-        except GatewayError as err:
-            info.status = err.status
-            if not overhead_ms:
+                raw = await read_body(request, rules.max_body_bytes)
+                try:
+                    payload = orjson.loads(raw)
+                except orjson.JSONDecodeError:
+                    payload = None
+                d = decide(raw, payload, rules, state.tokenizers, wire)
+                up = rules.upstream_for(request.path, d.model)
                 overhead_ms = (time.perf_counter() - t0) * 1000
-            return error_response(err, "openai")
-    except asyncio.CancelledError:
-        info.stream = "client_gone"
-        raise
-    finally:
-        _log_mem(state, request, rules.session_header, d, info, overhead_ms, rid)
+                return await relay(request, state.pool, up, d.forward, info)
+            except GatewayError as err:
+                info.status = err.status
+                if not overhead_ms:
+                    overhead_ms = (time.perf_counter() - t0) * 1000
+                return error_response(err, wire.flavor)
+        except asyncio.CancelledError:
+            info.stream = "client_gone"
+            raise
+        finally:
+            _log_mem(state, request, rules.session_header, wire, d, info, overhead_ms, rid)
+
+    return handle
 
 
 def _log_mem(
     state: GatewayState,
     request: web.Request,
     session_header: str,
+    wire: Wire,
     d: Decision | None,
     info: Relayed,
     overhead_ms: float,
@@ -169,6 +182,14 @@ def _log_mem(
         overhead_ms=round(overhead_ms, 2),
         req=rid,
     )
+    if wire is not OPENAI_CHAT:
+        fields["api"] = wire.name
+    if wire.approx_tokens:
+        fields["tokenizer"] = "approx"
+    if d is not None and d.cache_marker_dropped:
+        fields["cache_marker_dropped"] = True
+        if d.cache_marker_moved:
+            fields["cache_marker"] = "moved"
     if info.stream != "complete":
         fields["stream"] = info.stream
     log.info("mem", **fields)

@@ -1,4 +1,4 @@
-"""A deterministic OpenAI-compatible upstream for `memgate demo` (no network).
+"""A deterministic OpenAI/Anthropic-compatible upstream for `memgate demo` (no network).
 
 It answers from what it received, so a demo (or a replay) shows what the
 gateway forwarded: the reply names the message count and the pinned facts it
@@ -16,19 +16,21 @@ from aiohttp import web
 RECORD = web.AppKey("records", list)
 
 
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
 def _reply_text(body: dict[str, Any]) -> str:
-    msgs = body.get("messages") or []
-    pins = [
-        m["content"][:60]
-        for m in msgs
-        if isinstance(m, dict) and isinstance(m.get("content"), str)
-        and m["content"].lstrip().startswith("[PIN]")
-    ]
-    last = next(
-        (m.get("content") for m in reversed(msgs) if isinstance(m, dict) and m.get("role") == "user"),
-        "",
-    )
-    last_s = last if isinstance(last, str) else orjson.dumps(last).decode()
+    msgs = body.get("messages") or body.get("input") or []
+    if isinstance(msgs, str):
+        msgs = [{"role": "user", "content": msgs}]
+    texts = [(m.get("role"), _text(m.get("content"))) for m in msgs if isinstance(m, dict)]
+    pins = [t[:60] for _, t in texts if t.lstrip().startswith("[PIN]")]
+    last_s = next((t for role, t in reversed(texts) if role == "user" and t), "")
     text = f"mock reply: I saw {len(msgs)} messages; you asked: {last_s[:60]!r}."
     if pins:
         text += " Pinned: " + " | ".join(pins)
@@ -75,6 +77,59 @@ async def chat(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def messages(request: web.Request) -> web.StreamResponse:
+    """Anthropic Messages, plain or streamed."""
+    raw = await request.read()
+    body = orjson.loads(raw)
+    request.app[RECORD].append(
+        {"session": request.headers.get("X-Session-Id"), "body": body, "bytes": len(raw)}
+    )
+    text = _reply_text(body)
+    message = {"id": "msg_mock", "type": "message", "role": "assistant",
+               "model": body.get("model", "mock"), "content": [{"type": "text", "text": text}],
+               "stop_reason": "end_turn", "stop_sequence": None,
+               "usage": {"input_tokens": 0, "output_tokens": 0}}
+    if not body.get("stream"):
+        return web.Response(body=orjson.dumps(message), content_type="application/json")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+
+    async def event(name: str, data: dict[str, Any]) -> None:
+        await resp.write(f"event: {name}\ndata: ".encode() + orjson.dumps(data) + b"\n\n")
+
+    await event("message_start", {"type": "message_start",
+                                  "message": {**message, "content": [], "stop_reason": None}})
+    await event("content_block_start", {"type": "content_block_start", "index": 0,
+                                        "content_block": {"type": "text", "text": ""}})
+    await event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                        "delta": {"type": "text_delta", "text": text}})
+    await event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    await event("message_delta", {"type": "message_delta",
+                                  "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                                  "usage": {"output_tokens": 0}})
+    await event("message_stop", {"type": "message_stop"})
+    await resp.write_eof()
+    return resp
+
+
+async def responses(request: web.Request) -> web.Response:
+    """OpenAI Responses, plain."""
+    raw = await request.read()
+    body = orjson.loads(raw)
+    request.app[RECORD].append(
+        {"session": request.headers.get("X-Session-Id"), "body": body, "bytes": len(raw)}
+    )
+    text = _reply_text(body)
+    return web.Response(body=orjson.dumps({
+        "id": "resp_mock", "object": "response", "created_at": int(time.time()),
+        "status": "completed", "model": body.get("model", "mock"),
+        "output": [{"type": "message", "id": "msg_mock", "status": "completed",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+        "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0},
+    }), content_type="application/json")
+
+
 async def models(request: web.Request) -> web.Response:
     return web.json_response(
         {"object": "list", "data": [{"id": "gpt-4o-mini", "object": "model", "owned_by": "mock"}]}
@@ -85,5 +140,7 @@ def create_mock_app() -> web.Application:
     app = web.Application(client_max_size=1 << 30)
     app[RECORD] = []
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", models)
     return app

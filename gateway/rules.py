@@ -42,6 +42,7 @@ class Eviction:
     drop_unit: DropUnit = "turn"
     on_over_budget: Literal["forward", "reject"] = "forward"
     low_water: float = 0.6
+    move_cache_marker: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,8 @@ class Upstream:
     models: tuple[str, ...] = ()
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 600.0
-    api_key_env: str | None = None
+    api_key_env: str | None = None  # inject this env var's key instead of the client's
+    api_key_header: Literal["authorization", "x-api-key"] = "authorization"
 
     def serves(self, path: str, model: str | None) -> bool:
         if not any(fnmatch.fnmatchcase(path, p) for p in self.paths):
@@ -93,7 +95,11 @@ class ModelInfo:
 @dataclass(frozen=True, slots=True)
 class Rules:
     memory: Memory = field(default_factory=Memory)
-    upstreams: tuple[Upstream, ...] = (Upstream("openai", "https://api.openai.com"),)
+    upstreams: tuple[Upstream, ...] = (
+        Upstream("anthropic", "https://api.anthropic.com", paths=("/v1/messages*",),
+                 api_key_header="x-api-key"),
+        Upstream("openai", "https://api.openai.com"),
+    )
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
     log_format: Literal["console", "json"] = "console"
@@ -102,6 +108,7 @@ class Rules:
     session_header: str = "X-Session-Id"
     max_tracked_sessions: int = 10_000
     token_cache_size: int = 200_000
+    approx_token_factor: float = 1.15
     models: tuple[ModelInfo, ...] = ()
     default_encoding: str = "cl100k_base"
     default_context_window: int = 8192
@@ -109,10 +116,16 @@ class Rules:
     models_path: str | None = None
 
     def upstream_for(self, path: str, model: str | None = None) -> Upstream:
+        """First upstream serving this path (and model); else the default one."""
         for up in self.upstreams:
             if up.serves(path, model):
                 return up
-        return self.upstreams[0]
+        return self.default_upstream
+
+    @property
+    def default_upstream(self) -> Upstream:
+        """The OpenAI-compatible default: the upstream named `openai`, else the first."""
+        return next((u for u in self.upstreams if u.name == "openai"), self.upstreams[0])
 
     def model_info(self, model: str | None) -> ModelInfo:
         if model:
@@ -293,7 +306,8 @@ def _parse_memory(r: _Reader, data: Any) -> Memory:
     e = r.section(
         m.get("eviction"),
         "memory.eviction",
-        {"order", "keep_pinned", "max_pinned", "drop_unit", "on_over_budget", "low_water"},
+        {"order", "keep_pinned", "max_pinned", "drop_unit", "on_over_budget", "low_water",
+         "move_cache_marker"},
     )
     de = Eviction()
     eviction = Eviction(
@@ -305,6 +319,9 @@ def _parse_memory(r: _Reader, data: Any) -> Memory:
             e, "memory.eviction", "on_over_budget", _str(("forward", "reject")), de.on_over_budget
         ),
         low_water=r.get(e, "memory.eviction", "low_water", _float(0.1, 1.0), de.low_water),
+        move_cache_marker=r.get(
+            e, "memory.eviction", "move_cache_marker", _bool, de.move_cache_marker
+        ),
     )
     k = r.section(m.get("markers"), "memory.markers", {"system_prefix", "min_score"})
     dk = Markers()
@@ -334,7 +351,7 @@ def _parse_upstreams(r: _Reader, data: Any) -> tuple[Upstream, ...]:
             item,
             key,
             {"name", "base_url", "paths", "models", "connect_timeout_s", "read_timeout_s",
-             "api_key_env"},
+             "api_key_env", "api_key_header"},
         )
         for required in ("name", "base_url"):
             if required not in u:
@@ -347,6 +364,9 @@ def _parse_upstreams(r: _Reader, data: Any) -> tuple[Upstream, ...]:
             connect_timeout_s=r.get(u, key, "connect_timeout_s", _float(0.001, 3600), 10.0),
             read_timeout_s=r.get(u, key, "read_timeout_s", _float(0.001, 86400), 600.0),
             api_key_env=r.get(u, key, "api_key_env", _str(), None),
+            api_key_header=r.get(
+                u, key, "api_key_header", _str(("authorization", "x-api-key")), "authorization"
+            ),
         )
         if up.name in names:
             raise r.fail(f"{key}.name", f"duplicate upstream name {up.name!r}")
@@ -448,7 +468,7 @@ def build_rules(
     logging_ = r.section(top.get("logging"), "logging", {"format", "level"})
     limits = r.section(top.get("limits"), "limits", {"max_body_bytes"})
     session = r.section(top.get("session"), "session", {"header", "max_tracked"})
-    tokens = r.section(top.get("tokens"), "tokens", {"cache_size", "models_file"})
+    tokens = r.section(top.get("tokens"), "tokens", {"cache_size", "models_file", "approx_factor"})
 
     models: tuple[ModelInfo, ...] = ()
     default_encoding, default_window = "cl100k_base", 8192
@@ -474,6 +494,7 @@ def build_rules(
         session_header=r.get(session, "session", "header", _str(), "X-Session-Id"),
         max_tracked_sessions=r.get(session, "session", "max_tracked", _int(1), 10_000),
         token_cache_size=r.get(tokens, "tokens", "cache_size", _int(0), 200_000),
+        approx_token_factor=r.get(tokens, "tokens", "approx_factor", _float(0.5, 3.0), 1.15),
         models=models,
         default_encoding=default_encoding,
         default_context_window=default_window,
@@ -497,7 +518,15 @@ def apply_env(rules: Rules, env: Mapping[str, str]) -> Rules:
     upstreams = list(rules.upstreams)
     url = _env_url(env, "MEMGATE_UPSTREAM")
     if url is not None:
-        upstreams[0] = replace(upstreams[0], base_url=url)
+        i = upstreams.index(rules.default_upstream)
+        upstreams[i] = replace(upstreams[i], base_url=url)
+    url = _env_url(env, "MEMGATE_ANTHROPIC_UPSTREAM")
+    if url is not None:
+        named = [i for i, u in enumerate(upstreams) if u.name == "anthropic"]
+        if not named:
+            raise RulesError("env:MEMGATE_ANTHROPIC_UPSTREAM", None, "MEMGATE_ANTHROPIC_UPSTREAM",
+                             "the config has no upstream named 'anthropic' to override")
+        upstreams[named[0]] = replace(upstreams[named[0]], base_url=url)
     fmt = env.get("MEMGATE_LOG_FORMAT")
     log_format = rules.log_format
     if fmt:

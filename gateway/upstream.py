@@ -83,8 +83,10 @@ def request_headers(incoming: Any, up: Upstream) -> CIMultiDict[str]:
             out.add(k, v)
     if up.api_key_env:
         key = os.environ.get(up.api_key_env, "")
-        if key:
-            if "x-api-key" in out:
+        if key:  # the gateway's key replaces whatever the client sent
+            out.popall("Authorization", None)
+            out.popall("x-api-key", None)
+            if up.api_key_header == "x-api-key":
                 out["x-api-key"] = key
             else:
                 out["Authorization"] = f"Bearer {key}"

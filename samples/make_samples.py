@@ -5,8 +5,10 @@
 
 The samples are the demo's input and the golden tests' fixtures: a short chat,
 a long coding-agent session with tool calls, an early [PIN] constraint and
-Chinese turns, a Chinese session with memgate metadata pins/scores/ttl, and a
-streaming request.
+Chinese turns, a Chinese session with memgate metadata pins/scores/ttl, a
+streaming request, and the coding session as Anthropic Messages and OpenAI
+Responses bodies. The file name's prefix names the API: chat_ -> /v1/chat/completions,
+anthropic_ -> /v1/messages, responses_ -> /v1/responses.
 """
 
 from __future__ import annotations
@@ -120,9 +122,61 @@ def stream() -> dict:
     return body
 
 
+def anthropic_long_tools() -> dict:
+    """The coding session as an Anthropic Messages body (system top-level, tool_use blocks,
+    tool_result blocks in the following user message, a cache_control breakpoint)."""
+    chat = long_tools()
+    out: list[dict] = []
+    for m in chat["messages"][1:]:
+        if m["role"] == "tool":
+            block = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}
+            if out[-1]["role"] == "user" and isinstance(out[-1]["content"], list):
+                out[-1]["content"].append(block)
+            else:
+                out.append({"role": "user", "content": [block]})
+        elif m.get("tool_calls"):
+            out.append({"role": "assistant", "content": [
+                {"type": "tool_use", "id": c["id"].replace("call", "toolu"),
+                 "name": c["function"]["name"], "input": json.loads(c["function"]["arguments"])}
+                for c in m["tool_calls"]]})
+            for c in m["tool_calls"]:
+                c["id"] = c["id"].replace("call", "toolu")
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    for m in out:
+        if isinstance(m["content"], list):
+            for b in m["content"]:
+                if b.get("type") == "tool_result":
+                    b["tool_use_id"] = b["tool_use_id"].replace("call", "toolu")
+    out[1] = {"role": "assistant", "content": [{"type": "text", "text": out[1]["content"],
+                                                "cache_control": {"type": "ephemeral"}}]}
+    return {"model": "claude-3-5-haiku-20241022", "max_tokens": 1024,
+            "system": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
+            "messages": out}
+
+
+def responses_long_tools() -> dict:
+    """The coding session as an OpenAI Responses body (function_call / _output items)."""
+    chat = long_tools()
+    items: list[dict] = []
+    for m in chat["messages"][1:]:
+        if m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"],
+                          "output": m["content"]})
+        elif m.get("tool_calls"):
+            for c in m["tool_calls"]:
+                items.append({"type": "function_call", "call_id": c["id"],
+                              "name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+        else:
+            items.append({"type": "message", "role": m["role"], "content": m["content"]})
+    return {"model": "gpt-4o-mini", "instructions": SYSTEM, "input": items}
+
+
 def main() -> None:
     for name, body in (("chat_short", short()), ("chat_long_tools", long_tools()),
-                       ("chat_zh_pinned", zh_pinned()), ("chat_stream", stream())):
+                       ("chat_zh_pinned", zh_pinned()), ("chat_stream", stream()),
+                       ("anthropic_long_tools", anthropic_long_tools()),
+                       ("responses_long_tools", responses_long_tools())):
         (HERE / f"{name}.json").write_text(
             json.dumps(body, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
 

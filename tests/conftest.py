@@ -85,6 +85,62 @@ def sse_chunks(words: list[str]) -> list[bytes]:
     return out
 
 
+ANTHROPIC_REPLY = {
+    "id": "msg_test", "type": "message", "role": "assistant", "model": "claude-3-5-haiku-20241022",
+    "content": [{"type": "text", "text": "Hello from Claude"}],
+    "stop_reason": "end_turn", "stop_sequence": None,
+    "usage": {"input_tokens": 10, "output_tokens": 4},
+}
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: ".encode() + orjson.dumps(data) + b"\n\n"
+
+
+def anthropic_events(text: str) -> list[bytes]:
+    start = {**ANTHROPIC_REPLY, "content": [], "stop_reason": None,
+             "usage": {"input_tokens": 10, "output_tokens": 0}}
+    out = [sse("message_start", {"type": "message_start", "message": start}),
+           sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                       "content_block": {"type": "text", "text": ""}})]
+    for word in text.split(" "):
+        out.append(sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                               "delta": {"type": "text_delta",
+                                                         "text": word + " "}}))
+    out += [sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            sse("message_delta", {"type": "message_delta",
+                                  "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                                  "usage": {"output_tokens": 4}}),
+            sse("message_stop", {"type": "message_stop"})]
+    return out
+
+
+def responses_object(text: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": "resp_test", "object": "response", "created_at": 1730000000, "status": status,
+        "model": "gpt-4o-mini", "output": [{
+            "type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+        if status == "completed" else [],
+        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+        "usage": {"input_tokens": 5, "output_tokens": 3, "total_tokens": 8,
+                  "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens_details": {"reasoning_tokens": 0}},
+    }
+
+
+def responses_events(text: str) -> list[bytes]:
+    out = [sse("response.created", {"type": "response.created", "sequence_number": 0,
+                                    "response": responses_object("", "in_progress")})]
+    for n, word in enumerate(text.split(" "), start=1):
+        out.append(sse("response.output_text.delta", {
+            "type": "response.output_text.delta", "sequence_number": n, "item_id": "msg_1",
+            "output_index": 0, "content_index": 0, "delta": word + " ", "logprobs": []}))
+    out.append(sse("response.completed", {"type": "response.completed", "sequence_number": 99,
+                                          "response": responses_object(text)}))
+    return out
+
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -99,7 +155,7 @@ async def upstream(aiohttp_server: Any) -> Upstream:
         raw = await request.read()
         rec.received.append({
             "method": request.method, "path": request.path_qs, "raw": raw,
-            "headers": dict(request.headers),
+            "headers": request.headers.copy(),
         })
         return raw
 
@@ -132,7 +188,35 @@ async def upstream(aiohttp_server: Any) -> Upstream:
         return web.json_response({"error": {"message": f"upstream says {status}",
                                             "type": "upstream"}}, status=status)
 
+    async def messages(request: web.Request) -> web.StreamResponse:
+        raw = await record(request)
+        body = orjson.loads(raw)
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for event in anthropic_events("Hello from Claude"):
+                await resp.write(event)
+                await asyncio.sleep(0.005)
+            await resp.write_eof()
+            return resp
+        return web.Response(body=orjson.dumps(ANTHROPIC_REPLY), content_type="application/json")
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        raw = await record(request)
+        body = orjson.loads(raw)
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for event in responses_events("Hello from responses"):
+                await resp.write(event)
+            await resp.write_eof()
+            return resp
+        return web.Response(body=orjson.dumps(responses_object("Hello from responses")),
+                            content_type="application/json")
+
     app = web.Application(client_max_size=1 << 30)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)
     app.router.add_route("*", "/v1/echo", echo)
@@ -207,6 +291,8 @@ async def gateway(aiohttp_server: Any, upstream: Upstream, tmp_path: Path) -> Ga
     ) -> Gateway:
         cfg = write_config(tmp_path / "gateway.yaml", memory, **top)
         the_env = {"MEMGATE_UPSTREAM": upstream_url or upstream.url, **(env or {})}
+        if "upstreams" not in top:  # the default config routes /v1/messages to "anthropic"
+            the_env.setdefault("MEMGATE_ANTHROPIC_UPSTREAM", upstream_url or upstream.url)
         stream = io.StringIO()
         mglog.configure(fmt, level, stream=stream)
         rules = load_rules(cfg, the_env)

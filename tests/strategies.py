@@ -100,3 +100,53 @@ def memory_rules(draw: st.DrawFn) -> dict[str, Any]:
             "low_water": draw(st.sampled_from([0.3, 0.6, 1.0])),
         },
     }
+
+
+def to_anthropic(msgs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The same conversation as an Anthropic Messages body."""
+    system = [m["content"] for m in msgs if m["role"] in ("system", "developer")]
+    out: list[dict[str, Any]] = []
+    for m in msgs:
+        role = m["role"]
+        extra = {"memgate": m["memgate"]} if "memgate" in m else {}
+        if role in ("system", "developer"):
+            continue
+        if role == "tool":
+            block = {"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                     "content": m["content"]}
+            if out and out[-1]["role"] == "user" and any(
+                    b.get("type") == "tool_result" for b in out[-1]["content"]):
+                out[-1]["content"].append(block)
+            else:
+                out.append({"role": "user", "content": [block], **extra})
+            continue
+        if role == "assistant" and m.get("tool_calls"):
+            blocks: list[dict[str, Any]] = [{"type": "thinking", "thinking": "hmm",
+                                             "signature": "sig"}]
+            blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                        "input": {"q": c["function"]["arguments"]}} for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": blocks, **extra})
+            continue
+        out.append({"role": role, "content": [{"type": "text", "text": m["content"]}], **extra})
+    return {"model": "claude-3-5-haiku-20241022", "max_tokens": 256,
+            "system": "\n".join(system), "messages": out}
+
+
+def to_responses(msgs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The same conversation as an OpenAI Responses body (reasoning before calls)."""
+    items: list[dict[str, Any]] = []
+    for m in msgs:
+        role = m["role"]
+        extra = {"memgate": m["memgate"]} if "memgate" in m else {}
+        if role == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"],
+                          "output": m["content"], **extra})
+        elif role == "assistant" and m.get("tool_calls"):
+            items.append({"type": "reasoning", "id": f"rs_{len(items)}", "summary": []})
+            for c in m["tool_calls"]:
+                items.append({"type": "function_call", "call_id": c["id"],
+                              "name": c["function"]["name"],
+                              "arguments": c["function"]["arguments"], **extra})
+        else:
+            items.append({"type": "message", "role": role, "content": m["content"], **extra})
+    return {"model": "gpt-4o-mini", "instructions": "Be brief.", "input": items}

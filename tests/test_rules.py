@@ -65,7 +65,7 @@ def test_env_precedence_and_invalid_env(tmp_path: Path) -> None:
     f = tmp_path / "g.yaml"
     f.write_text("memory:\n  enable_eviction: false\n")
     r = load_rules(f, {"MEMGATE_ENABLE_EVICTION": "1", "MEMGATE_UPSTREAM": "http://up:9/"})
-    assert r.memory.enable_eviction is True and r.upstreams[0].base_url == "http://up:9"
+    assert r.memory.enable_eviction is True and r.default_upstream.base_url == "http://up:9"
     assert load_rules(f, {"MEMGATE_ENABLE_EVICTION": "0"}).memory.mode == "shadow"
     with pytest.raises(RulesError, match="MEMGATE_ENABLE_EVICTION"):
         load_rules(f, {"MEMGATE_ENABLE_EVICTION": "maybe"})

@@ -341,7 +341,7 @@ def plan(
             pinned_overflow=0,
             over_budget=False,
             kept_tokens=None,
-            kept_chars=conv.total_chars,
+            kept_chars=conv.total_chars + conv.outside_chars,
         )
     st = _State(
         conv=conv,
@@ -360,7 +360,8 @@ def plan(
             st.turn_anchor[grp.turn] = g
     # system/developer and the current turn are not subject to eviction
     st.messages_used = len(conv.fixed)
-    st.chars_used = sum(conv.chars[i] for i in conv.fixed)
+    fixed_chars = conv.outside_chars + sum(conv.chars[i] for i in conv.fixed)
+    st.chars_used = fixed_chars
     fixed_tokens = (
         overhead_tokens + sum(tokens_of(i) for i in conv.fixed) if st.count_tokens else 0
     )
@@ -384,7 +385,7 @@ def plan(
     )
     final_tokens, final_chars, _ = st.cost(kept_groups)
     kept_tokens = fixed_tokens + final_tokens
-    kept_chars = final_chars + sum(conv.chars[i] for i in conv.fixed)
+    kept_chars = final_chars + fixed_chars
     over = (
         (lim.max_tokens is not None and kept_tokens > lim.max_tokens)
         or (lim.max_chars is not None and kept_chars > lim.max_chars)
@@ -407,7 +408,7 @@ def _fits_without_planning(conv: Conversation, lim: Limits, bound: int | None) -
         return False
     if lim.max_messages is not None and conv.n_messages > lim.max_messages:
         return False
-    if lim.max_chars is not None and conv.total_chars > lim.max_chars:
+    if lim.max_chars is not None and conv.total_chars + conv.outside_chars > lim.max_chars:
         return False
     if lim.max_tokens is not None and (bound is None or bound > lim.max_tokens):
         return False

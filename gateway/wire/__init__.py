@@ -1,2 +1,51 @@
 """Wire formats: each turns its API's history into a neutral `Conversation`
-and turns a `Plan` back into a body of the same API."""
+and a `Plan` back into a body of the same API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .anthropic_messages import ANTHROPIC_MESSAGES
+from .base import Wire
+from .openai_chat import OPENAI_CHAT
+from .openai_responses import OPENAI_RESPONSES
+
+WIRES: dict[str, Wire] = {
+    "chat": OPENAI_CHAT,
+    "messages": ANTHROPIC_MESSAGES,
+    "responses": OPENAI_RESPONSES,
+}
+PATHS: dict[str, Wire] = {
+    "/v1/chat/completions": OPENAI_CHAT,
+    "/v1/messages": ANTHROPIC_MESSAGES,
+    "/v1/responses": OPENAI_RESPONSES,
+}
+_ANTHROPIC_BLOCKS = frozenset(("tool_use", "tool_result", "thinking", "redacted_thinking"))
+
+
+def sniff(body: Any, name: str = "") -> Wire:
+    """Which API a saved payload speaks: by file-name prefix, else by its shape."""
+    for prefix, wire in (("anthropic", ANTHROPIC_MESSAGES), ("responses", OPENAI_RESPONSES),
+                         ("chat", OPENAI_CHAT)):
+        if name.startswith(prefix):
+            return wire
+    if not isinstance(body, dict):
+        return OPENAI_CHAT
+    if "input" in body and "messages" not in body:
+        return OPENAI_RESPONSES
+    if "system" in body:
+        return ANTHROPIC_MESSAGES
+    for m in body.get("messages") or []:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(b, dict) and b.get("type") in _ANTHROPIC_BLOCKS for b in content
+        ):
+            return ANTHROPIC_MESSAGES
+    return OPENAI_CHAT
+
+
+def path_of(wire: Wire) -> str:
+    return next(p for p, w in PATHS.items() if w is wire)
+
+
+__all__ = ["PATHS", "WIRES", "Wire", "path_of", "sniff"]

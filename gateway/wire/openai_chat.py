@@ -17,9 +17,9 @@ from ..conversation import (
     read_metadata,
 )
 from ..tokens import PER_MEDIA_PART, PER_MESSAGE, PER_NAME, REPLY_PRIMING, TokenCounter
+from .base import META_KEY, Wire, approx_tokens, json_text
 
 FIXED_ROLES = frozenset(("system", "developer"))
-META_KEY = "memgate"
 
 
 def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
@@ -93,6 +93,7 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
                 for later in groups[g + 1 :]:
                     merged.indices.extend(later.indices)
                     merged.pins.extend(later.pins)
+                    merged.chars += later.chars
                 del groups[g + 1 :]
                 for k, v in open_calls.items():
                     if v > g:
@@ -151,27 +152,18 @@ def message_tokens(m: dict[str, Any], counter: TokenCounter) -> int:
     return n
 
 
-def _approx_tokens(s: str) -> int:
-    """~4 ASCII characters per token, ~1 token per CJK character; no tokenizer."""
-    n = len(s)
-    if s.isascii():
-        return (n + 3) // 4
-    wide = (len(s.encode("utf-8", "surrogatepass")) - n) // 2  # 3-byte chars count 1
-    return (n - wide + 3) // 4 + wide
-
-
 def message_weight(m: dict[str, Any]) -> int:
     """A cheap, stable size in token units for placing stepped cuts (no tokenizer)."""
     content = m.get("content")
     if isinstance(content, str):
-        n = _approx_tokens(content)
+        n = approx_tokens(content)
     elif content is None:
         n = 0
     else:
-        n = _approx_tokens(orjson.dumps(content).decode("utf-8"))
+        n = approx_tokens(json_text(content))
     calls = m.get("tool_calls")
     if calls:
-        n += _approx_tokens(orjson.dumps(calls).decode("utf-8"))
+        n += approx_tokens(json_text(calls))
     return PER_MESSAGE + 1 + n
 
 
@@ -184,13 +176,25 @@ def overhead_tokens(body: dict[str, Any], counter: TokenCounter) -> int:
     return n
 
 
-def build_body(body: dict[str, Any], kept: list[int]) -> bytes:
-    """The original body with only `kept` messages, gateway metadata stripped."""
-    messages = body["messages"]
-    out = []
-    for i in kept:
-        m = messages[i]
-        if META_KEY in m:
-            m = {k: v for k, v in m.items() if k != META_KEY}
-        out.append(m)
-    return orjson.dumps({**body, "messages": out})
+class OpenAIChat(Wire):
+    name = "openai_chat"
+    flavor = "openai"
+    items_key = "messages"
+
+    def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
+        return parse(items, prefix, min_score)
+
+    def item_tokens(self, item: Any, counter: TokenCounter) -> int:
+        return message_tokens(item, counter)
+
+    def item_weight(self, item: Any) -> int:
+        return message_weight(item)
+
+    def item_chars(self, item: Any) -> int:
+        return content_chars(item.get("content")) if isinstance(item, dict) else 0
+
+    def overhead_tokens(self, payload: dict[str, Any], counter: TokenCounter) -> int:
+        return overhead_tokens(payload, counter)
+
+
+OPENAI_CHAT = OpenAIChat()

@@ -1,0 +1,170 @@
+"""Anthropic Messages: `messages` (content blocks) <-> Conversation.
+
+`system` is top-level and always kept. A turn starts at a user message that
+carries no `tool_result`; a user message with tool results belongs to the group
+of the assistant message whose `tool_use` ids they answer, so a call and its
+results are never split. `thinking` blocks live inside their assistant message
+and go with it. There is no offline Claude tokenizer: counts use the configured
+encoding times a correction factor and are logged `tokenizer=approx`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..conversation import (
+    Conversation,
+    Group,
+    Unplannable,
+    content_chars,
+    first_text,
+    pin_of,
+    read_metadata,
+)
+from ..tokens import PER_MEDIA_PART, PER_MESSAGE, REPLY_PRIMING, TokenCounter
+from .base import META_KEY, Wire, approx_tokens, json_text
+
+ROLES = ("user", "assistant")
+
+
+def _blocks(content: Any) -> list[dict[str, Any]]:
+    if isinstance(content, list):
+        return [b for b in content if isinstance(b, dict)]
+    return []
+
+
+def tool_ids(content: Any, block_type: str, key: str) -> list[str]:
+    return [
+        b[key] for b in _blocks(content) if b.get("type") == block_type and isinstance(b.get(key), str)
+    ]
+
+
+def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
+    groups: list[Group] = []
+    chars: list[int] = []
+    media = 0
+    has_meta = False
+    turn = 0
+    open_uses: set[str] = set()  # tool_use ids of the last assistant message
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise Unplannable("message_not_object")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise Unplannable("missing_role")
+        if role not in ROLES:
+            raise Unplannable("unknown_role")
+        content = m.get("content")
+        n_chars = content_chars(content)
+        chars.append(n_chars)
+        media += sum(1 for b in _blocks(content) if b.get("type") in ("image", "document"))
+        meta = None
+        if META_KEY in m:
+            has_meta = True
+            meta = read_metadata(m[META_KEY], f"messages[{i}].{META_KEY}")
+        text = first_text(content)
+        pin = None
+        if meta is not None or (text and text.lstrip().startswith(prefix)):
+            pin = pin_of(meta, text, prefix, min_score)
+        if role == "user":
+            results = tool_ids(content, "tool_result", "tool_use_id")
+            if results:
+                if not groups or groups[-1].is_user or not set(results) <= open_uses:
+                    raise Unplannable("unpaired_tool_result")
+                groups[-1].indices.append(i)
+            else:
+                turn += 1
+                groups.append(Group([i], turn, True))
+            open_uses = set()
+        else:
+            groups.append(Group([i], turn, False))
+            open_uses = set(tool_ids(content, "tool_use", "id"))
+        grp = groups[-1]
+        grp.chars += n_chars
+        if pin is not None:
+            grp.pins.append((i, pin))
+    return Conversation(
+        n_messages=len(messages), fixed=[], groups=groups, n_turns=turn, chars=chars,
+        media_parts=media, has_metadata=has_meta,
+    )
+
+
+def _block_tokens(b: dict[str, Any], counter: TokenCounter) -> int:
+    kind = b.get("type")
+    if kind == "text":
+        return counter.count(str(b.get("text", "")))
+    if kind == "thinking":
+        return counter.count(str(b.get("thinking", "")))
+    if kind == "redacted_thinking":
+        return len(str(b.get("data", ""))) // 4
+    if kind in ("tool_use", "server_tool_use"):
+        return counter.count(str(b.get("name", ""))) + counter.count(json_text(b.get("input", {})))
+    if kind == "tool_result":
+        inner = b.get("content")
+        if isinstance(inner, str):
+            return counter.count(inner)
+        return sum(_block_tokens(x, counter) for x in _blocks(inner))
+    if kind in ("image", "document"):
+        return PER_MEDIA_PART
+    return counter.count(json_text(b))
+
+
+def content_tokens(content: Any, counter: TokenCounter) -> int:
+    if isinstance(content, str):
+        return counter.count(content)
+    return sum(_block_tokens(b, counter) for b in _blocks(content))
+
+
+UNMARKABLE = frozenset(("thinking", "redacted_thinking"))
+EPHEMERAL = {"type": "ephemeral"}
+
+
+class AnthropicMessages(Wire):
+    name = "anthropic_messages"
+    flavor = "anthropic"
+    items_key = "messages"
+    approx_tokens = True
+
+    def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
+        return parse(items, prefix, min_score)
+
+    def item_tokens(self, item: Any, counter: TokenCounter) -> int:
+        return PER_MESSAGE + 1 + content_tokens(item.get("content"), counter)
+
+    def item_weight(self, item: Any) -> int:
+        content = item.get("content")
+        text = content if isinstance(content, str) else json_text(content)
+        return PER_MESSAGE + 1 + approx_tokens(text)
+
+    def item_chars(self, item: Any) -> int:
+        return content_chars(item.get("content")) if isinstance(item, dict) else 0
+
+    def overhead_tokens(self, payload: dict[str, Any], counter: TokenCounter) -> int:
+        n = REPLY_PRIMING + content_tokens(payload.get("system"), counter)
+        if payload.get("tools"):
+            n += counter.count(json_text(payload["tools"]))
+        return n
+
+    def fixed_chars(self, payload: dict[str, Any]) -> int:
+        return content_chars(payload.get("system"))
+
+    def has_cache_marker(self, item: Any) -> bool:
+        return isinstance(item, dict) and any(
+            "cache_control" in b for b in _blocks(item.get("content"))
+        )
+
+    def with_cache_marker(self, item: Any) -> Any:
+        content = item.get("content")
+        if isinstance(content, str):
+            blocks = [{"type": "text", "text": content, "cache_control": EPHEMERAL}]
+            return {**item, "content": blocks}
+        blocks = list(content) if isinstance(content, list) else []
+        for j in range(len(blocks) - 1, -1, -1):
+            b = blocks[j]
+            if isinstance(b, dict) and b.get("type") not in UNMARKABLE:
+                blocks[j] = {**b, "cache_control": EPHEMERAL}
+                return {**item, "content": blocks}
+        return item
+
+
+ANTHROPIC_MESSAGES = AnthropicMessages()

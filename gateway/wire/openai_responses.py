@@ -1,0 +1,219 @@
+"""OpenAI Responses: `input` (a string or an item list) <-> Conversation.
+
+`instructions` is the system part. Message items with role user open turns;
+system/developer messages are fixed. A `function_call` and the
+`function_call_output` with its `call_id` are one group; consecutive calls of
+one response share a group; a `reasoning` item stays with the call or message
+it precedes. Item types the gateway does not know stay glued to the item
+before them. A request with `previous_response_id` or `conversation` has
+server-side state: it is measured, never evicted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..conversation import (
+    Conversation,
+    Group,
+    Unplannable,
+    content_chars,
+    first_text,
+    pin_of,
+    read_metadata,
+)
+from ..tokens import PER_MEDIA_PART, PER_MESSAGE, REPLY_PRIMING, TokenCounter
+from .base import META_KEY, Wire, approx_tokens, json_text
+
+CALLS = frozenset(("function_call", "custom_tool_call", "computer_call", "local_shell_call"))
+OUTPUTS = frozenset(
+    ("function_call_output", "custom_tool_call_output", "computer_call_output",
+     "local_shell_call_output")
+)
+FIXED_ROLES = frozenset(("system", "developer"))
+
+
+def item_type(it: dict[str, Any]) -> str | None:
+    t = it.get("type")
+    if isinstance(t, str):
+        return t
+    return "message" if "role" in it else None
+
+
+def _text_of(it: dict[str, Any]) -> Any:
+    """What counts as an item's content: message content, call arguments, call output."""
+    t = item_type(it)
+    if t == "message":
+        return it.get("content")
+    if t in CALLS:
+        return it.get("arguments", it.get("input"))
+    if t in OUTPUTS:
+        return it.get("output")
+    return None
+
+
+def parse(items: list[Any], prefix: str, min_score: float) -> Conversation:
+    fixed: list[int] = []
+    groups: list[Group] = []
+    chars: list[int] = []
+    media = 0
+    has_meta = False
+    turn = 0
+    open_calls: dict[str, int] = {}
+    lead_in = False  # the last group holds only reasoning: it joins what follows
+    for i, it in enumerate(items):
+        if not isinstance(it, dict):
+            raise Unplannable("message_not_object")
+        t = item_type(it)
+        content = _text_of(it)
+        n_chars = content_chars(content)
+        chars.append(n_chars)
+        if isinstance(content, list):
+            media += sum(
+                1 for p in content if isinstance(p, dict) and p.get("type") in ("input_image",
+                                                                                   "input_file")
+            )
+        meta = None
+        if META_KEY in it:
+            has_meta = True
+            meta = read_metadata(it[META_KEY], f"input[{i}].{META_KEY}")
+        text = first_text(content)
+        pin = None
+        if meta is not None or (text and text.lstrip().startswith(prefix)):
+            pin = pin_of(meta, text, prefix, min_score)
+        if t == "message":
+            role = it.get("role")
+            if role in FIXED_ROLES:
+                fixed.append(i)
+                continue
+            if role == "user":
+                turn += 1
+                open_calls = {}
+                groups.append(Group([i], turn, True))
+            elif role == "assistant":
+                if lead_in:
+                    groups[-1].indices.append(i)
+                else:
+                    groups.append(Group([i], turn, False))
+            else:
+                raise Unplannable("unknown_role")
+            lead_in = False
+        elif t in CALLS:
+            cid = it.get("call_id")
+            if not isinstance(cid, str):
+                raise Unplannable("tool_call_without_id")
+            prev = items[i - 1] if i else None
+            joins = lead_in or (isinstance(prev, dict) and item_type(prev) in CALLS)
+            if joins and groups:
+                groups[-1].indices.append(i)
+            else:
+                groups.append(Group([i], turn, False))
+            open_calls[cid] = len(groups) - 1
+            lead_in = False
+        elif t in OUTPUTS:
+            cid = it.get("call_id")
+            g = open_calls.get(cid) if isinstance(cid, str) else None
+            if g is None:
+                raise Unplannable("unpaired_tool_result")
+            if g != len(groups) - 1:
+                merged = groups[g]
+                for later in groups[g + 1 :]:
+                    merged.indices.extend(later.indices)
+                    merged.pins.extend(later.pins)
+                    merged.chars += later.chars
+                del groups[g + 1 :]
+                for k, v in open_calls.items():
+                    if v > g:
+                        open_calls[k] = g
+            groups[-1].indices.append(i)
+            lead_in = False
+        elif t == "reasoning":
+            if lead_in:
+                groups[-1].indices.append(i)
+            else:
+                groups.append(Group([i], turn, False))
+            lead_in = True
+        else:  # unknown item types stay with their neighbour
+            if groups:
+                groups[-1].indices.append(i)
+            else:
+                groups.append(Group([i], turn, False))
+        grp = groups[-1]
+        grp.chars += n_chars
+        if pin is not None:
+            grp.pins.append((i, pin))
+    return Conversation(
+        n_messages=len(items), fixed=fixed, groups=groups, n_turns=turn, chars=chars,
+        media_parts=media, has_metadata=has_meta,
+    )
+
+
+def _content_tokens(content: Any, counter: TokenCounter) -> int:
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return counter.count(content)
+    if isinstance(content, list):
+        n = 0
+        for p in content:
+            if isinstance(p, dict) and isinstance(p.get("text"), str):
+                n += counter.count(p["text"])
+            else:
+                n += PER_MEDIA_PART
+        return n
+    return counter.count(json_text(content))
+
+
+class OpenAIResponses(Wire):
+    name = "openai_responses"
+    flavor = "openai"
+    items_key = "input"
+
+    def items(self, payload: dict[str, Any]) -> list[Any] | None:
+        v = payload.get("input")
+        if isinstance(v, str):  # a single user message: nothing to evict, still measured
+            return [{"role": "user", "content": v}]
+        return v if isinstance(v, list) else None
+
+    def skip_reason(self, payload: dict[str, Any]) -> str | None:
+        if payload.get("previous_response_id") or payload.get("conversation"):
+            return "server_state"
+        return None
+
+    def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
+        return parse(items, prefix, min_score)
+
+    def item_tokens(self, item: Any, counter: TokenCounter) -> int:
+        n = PER_MESSAGE + 1 + _content_tokens(_text_of(item), counter)
+        if item_type(item) in CALLS:
+            n += counter.count(str(item.get("name", "")))
+        elif item_type(item) == "reasoning":
+            for s in item.get("summary") or []:
+                if isinstance(s, dict):
+                    n += counter.count(str(s.get("text", "")))
+            n += len(str(item.get("encrypted_content") or "")) // 4
+        return n
+
+    def item_weight(self, item: Any) -> int:
+        content = _text_of(item)
+        text = content if isinstance(content, str) else json_text(content or "")
+        return PER_MESSAGE + 1 + approx_tokens(text)
+
+    def item_chars(self, item: Any) -> int:
+        return content_chars(_text_of(item)) if isinstance(item, dict) else 0
+
+    def overhead_tokens(self, payload: dict[str, Any], counter: TokenCounter) -> int:
+        n = REPLY_PRIMING
+        instructions = payload.get("instructions")
+        if isinstance(instructions, str):
+            n += counter.count(instructions)
+        if payload.get("tools"):
+            n += counter.count(json_text(payload["tools"]))
+        return n
+
+    def fixed_chars(self, payload: dict[str, Any]) -> int:
+        instructions = payload.get("instructions")
+        return len(instructions) if isinstance(instructions, str) else 0
+
+
+OPENAI_RESPONSES = OpenAIResponses()

@@ -1,0 +1,105 @@
+"""The eviction invariants for Anthropic Messages and OpenAI Responses bodies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+from hypothesis import given, settings
+
+from gateway.chat import decide
+from gateway.rules import Rules, build_rules
+from gateway.tokens import Tokenizers
+from gateway.wire.anthropic_messages import ANTHROPIC_MESSAGES
+from gateway.wire.openai_responses import OPENAI_RESPONSES
+
+from .strategies import conversation, memory_rules, to_anthropic, to_responses
+
+ROOT = Path(__file__).resolve().parent.parent
+TOK = Tokenizers(50_000)
+
+
+def make_rules(memory: dict[str, Any]) -> Rules:
+    return build_rules({"memory": memory, "tokens": {"models_file": "rules/models.yaml"}},
+                       base_dir=ROOT)
+
+
+def strip(m: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in m.items() if k != "memgate"}
+
+
+@given(msgs=conversation(), memory=memory_rules())
+@settings()
+def test_anthropic_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]) -> None:
+    """Anthropic: subsequence, system untouched, current turn kept, tool_use <-> tool_result
+    pairs whole, first message from the user, idempotent."""
+    body = to_anthropic(msgs)
+    raw = orjson.dumps(body)
+    d = decide(raw, orjson.loads(raw), make_rules(memory), TOK, ANTHROPIC_MESSAGES)
+    assert d.plan is not None, d.skip_reason
+    out = orjson.loads(d.forward)
+    assert out["system"] == body["system"]
+    src = body["messages"]
+    assert out["messages"] == [strip(src[i]) for i in d.plan.kept]
+    last_user = max(i for i, m in enumerate(src) if m["role"] == "user" and not any(
+        b.get("type") == "tool_result" for b in m["content"]))
+    assert set(range(last_user, len(src))) <= set(d.plan.kept)
+    uses = {b["id"] for m in out["messages"] for b in m["content"] if b["type"] == "tool_use"}
+    results = {b["tool_use_id"] for m in out["messages"] for b in m["content"]
+               if b["type"] == "tool_result"}
+    assert uses == results
+    for j, m in enumerate(out["messages"]):
+        ids = [b["tool_use_id"] for b in m["content"] if b["type"] == "tool_result"]
+        if ids:  # results answer the assistant message right before them
+            prev = out["messages"][j - 1]
+            assert prev["role"] == "assistant"
+            assert set(ids) <= {b["id"] for b in prev["content"] if b["type"] == "tool_use"}
+    assert out["messages"][0]["role"] == "user"
+    again = decide(d.forward, out, make_rules(memory), TOK, ANTHROPIC_MESSAGES)
+    if not any("memgate" in m for m in src):
+        assert again.plan is not None and again.plan.dropped == ()
+
+
+@given(msgs=conversation(), memory=memory_rules())
+@settings()
+def test_responses_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]) -> None:
+    """Responses: subsequence, current turn kept, call_id pairs whole, each reasoning item
+    kept with the call it precedes, first non-system item from the user."""
+    body = to_responses(msgs)
+    raw = orjson.dumps(body)
+    d = decide(raw, orjson.loads(raw), make_rules(memory), TOK, OPENAI_RESPONSES)
+    assert d.plan is not None, d.skip_reason
+    src = body["input"]
+    out = orjson.loads(d.forward)["input"]
+    assert out == [strip(src[i]) for i in d.plan.kept]
+    last_user = max(i for i, it in enumerate(src) if it.get("role") == "user")
+    assert set(range(last_user, len(src))) <= set(d.plan.kept)
+    calls = {it["call_id"] for it in out if it["type"] == "function_call"}
+    outputs = {it["call_id"] for it in out if it["type"] == "function_call_output"}
+    assert calls == outputs
+    kept = set(d.plan.kept)
+    for i in kept:
+        if src[i]["type"] == "reasoning":
+            assert i + 1 in kept and src[i + 1]["type"] == "function_call"
+    first = next(it for it in out if it.get("role") not in ("system", "developer"))
+    assert first.get("role") == "user"
+
+
+def test_responses_server_state_is_measured_not_evicted() -> None:
+    """previous_response_id means server-side history: skipped with reason server_state."""
+    body = {"model": "gpt-4o-mini", "previous_response_id": "resp_1",
+            "input": [{"role": "user", "content": "x" * 5000}]}
+    raw = orjson.dumps(body)
+    rules = make_rules({"enable_eviction": True, "budget": {"max_chars": 10}})
+    d = decide(raw, body, rules, TOK, OPENAI_RESPONSES)
+    assert d.skip_reason == "server_state" and d.plan is None and d.forward is raw
+    assert d.hist_chars() == 5000
+
+
+def test_responses_string_input_is_measured() -> None:
+    """A plain string input is one user message: counted, nothing to evict."""
+    raw = orjson.dumps({"model": "gpt-4o-mini", "input": "hello there"})
+    d = decide(raw, orjson.loads(raw), make_rules({"enable_eviction": True}), TOK,
+               OPENAI_RESPONSES)
+    assert d.skip_reason is None and d.hist_chars() == 11 and d.forward is raw
