@@ -66,6 +66,7 @@ def create_app(
     def on_swap(old: Rules, new: Rules) -> None:
         if (old.log_format, old.log_level) != (new.log_format, new.log_level):
             mglog.configure(new.log_format, new.log_level)
+            state.log = reloader.log = mglog.get_logger()
         if (old.models, old.default_encoding) != (new.models, new.default_encoding):
             _preload_tokenizers(state, new)
 

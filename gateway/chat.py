@@ -147,7 +147,6 @@ def decide(
             d.message_tokens,
             overhead_tokens=d.overhead_tokens() if d.budget_tokens is not None else 0,
             tokens_upper_bound=_bytes_bound(raw, d),
-            weight_of=lambda i: wire.item_weight(items[i]),
         )
         if (
             d.mode == "on"

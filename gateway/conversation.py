@@ -45,6 +45,7 @@ class Group:
     turn: int  # 0 = before the first user message, then 1..n_turns
     is_user: bool
     chars: int = 0
+    weight: int = 0  # approx tokens, no tokenizer (places stepped cuts)
     pins: list[tuple[int, Pin]] = field(default_factory=list)  # (message index, pin)
 
 
@@ -71,6 +72,22 @@ def content_chars(content: Any) -> int:
     if isinstance(content, str):
         return len(content)
     return len(orjson.dumps(content).decode("utf-8"))
+
+
+def approx_tokens(s: str) -> int:
+    """~4 ASCII characters per token, ~1 token per CJK character; no tokenizer."""
+    n = len(s)
+    if s.isascii():
+        return (n + 3) // 4
+    wide = (len(s.encode("utf-8", "surrogatepass")) - n) // 2  # 3-byte chars count 1
+    return (n - wide + 3) // 4 + wide
+
+
+def approx_weight(content: Any, n_chars: int) -> int:
+    """A cheap, stable size of one message in token units (4 = per-message overhead)."""
+    if type(content) is str:
+        return 4 + approx_tokens(content)
+    return 4 + (n_chars + 3) // 4
 
 
 def first_text(content: Any) -> str | None:

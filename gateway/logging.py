@@ -24,11 +24,14 @@ _SKIP = {"event", "level", "timestamp"}
 
 
 def _value(v: Any) -> str:
+    t = type(v)
+    if t is int:
+        return str(v)
     if v is None:
         return "-"
-    if isinstance(v, bool):
+    if t is bool:
         return "true" if v else "false"
-    if isinstance(v, float):
+    if t is float:
         return f"{v:.2f}"
     s = str(v)
     if not s or any(c in s for c in ' "=\n\t'):
@@ -84,7 +87,9 @@ def configure(
             getattr(logging, level.upper(), logging.INFO)
         ),
         logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
-        cache_logger_on_first_use=False,
+        # a logger obtained after configure() keeps this pipeline; reconfiguring
+        # (a reload that changes the format) hands out new loggers
+        cache_logger_on_first_use=True,
     )
 
 

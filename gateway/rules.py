@@ -76,6 +76,7 @@ class Upstream:
     read_timeout_s: float = 600.0
     api_key_env: str | None = None  # inject this env var's key instead of the client's
     api_key_header: Literal["authorization", "x-api-key"] = "authorization"
+    proxy: str | None = None  # egress HTTP proxy for this upstream
 
     def serves(self, path: str, model: str | None) -> bool:
         if not any(fnmatch.fnmatchcase(path, p) for p in self.paths):
@@ -351,7 +352,7 @@ def _parse_upstreams(r: _Reader, data: Any) -> tuple[Upstream, ...]:
             item,
             key,
             {"name", "base_url", "paths", "models", "connect_timeout_s", "read_timeout_s",
-             "api_key_env", "api_key_header"},
+             "api_key_env", "api_key_header", "proxy"},
         )
         for required in ("name", "base_url"):
             if required not in u:
@@ -367,6 +368,7 @@ def _parse_upstreams(r: _Reader, data: Any) -> tuple[Upstream, ...]:
             api_key_header=r.get(
                 u, key, "api_key_header", _str(("authorization", "x-api-key")), "authorization"
             ),
+            proxy=r.get(u, key, "proxy", _base_url, None),
         )
         if up.name in names:
             raise r.fail(f"{key}.name", f"duplicate upstream name {up.name!r}")

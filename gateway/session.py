@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Mapping
@@ -16,12 +17,15 @@ def credential(headers: Mapping[str, str]) -> str:
     return auth.removeprefix("Bearer ").strip()
 
 
+@functools.lru_cache(maxsize=4096)
+def _tenant_of_key(key: str) -> str:
+    return "t-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def tenant_of(headers: Mapping[str, str]) -> str:
     """A stable, non-reversible tenant id from the caller's API key."""
     key = credential(headers)
-    if not key:
-        return "anon"
-    return "t-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    return _tenant_of_key(key) if key else "anon"
 
 
 def _clean(value: str) -> str:

@@ -54,7 +54,9 @@ class UpstreamPool:
             s = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300),
                 auto_decompress=False,
-                trust_env=True,
+                # no per-request proxy/netrc lookup (aiohttp does it in a thread);
+                # an egress proxy is configured per upstream instead
+                trust_env=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
             )
             self._sessions[up.base_url] = s
@@ -134,6 +136,7 @@ async def relay(
             headers=headers,
             timeout=_timeout(up),
             allow_redirects=False,
+            proxy=up.proxy,
         )
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         info.upstream_ms = (time.perf_counter() - t0) * 1000

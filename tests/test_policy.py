@@ -194,11 +194,32 @@ def test_golden_long_tools_sliding() -> None:
     assert all(dropped[i] == "length" for i in range(63, 101))
 
 
-def test_golden_long_tools_low_water() -> None:
-    """low_water 0.6 (default): the same pins, and a cut down to ~60% of the 60 messages."""
-    p = golden("chat_long_tools").plan
-    assert p.kept == (0, 1, 56, 62, *range(123, 154))
-    assert len(p.kept) <= 0.6 * 60
+def replay_growing(name: str, low_water: float) -> tuple[list[int], int]:
+    """Replay a sample turn by turn: kept sizes and how often the forwarded prefix changed."""
+    r = load_rules(ROOT / "rules" / "gateway.yaml", {"MEMGATE_ENABLE_EVICTION": "1"})
+    r = replace(r, memory=replace(r.memory, eviction=replace(r.memory.eviction,
+                                                             low_water=low_water)))
+    body = orjson.loads((ROOT / "samples" / f"{name}.json").read_bytes())
+    sizes, changed, prev = [], 0, ()
+    for end in [i for i, m in enumerate(body["messages"]) if m["role"] == "user"]:
+        req = {**body, "messages": body["messages"][: end + 1]}
+        kept = decide(orjson.dumps(req), req, r, TOK).plan.kept
+        if kept[: len(prev)] != prev:
+            changed += 1
+        sizes.append(len(kept))
+        prev = kept
+    return sizes, changed
+
+
+def test_golden_growing_session_low_water() -> None:
+    """Turn by turn, low_water 0.6 cuts to ~60% of the 60-message budget and then keeps
+    the cut for several requests (a sawtooth); the sliding window moves almost every time."""
+    sizes, changed = replay_growing("chat_long_tools", 0.6)
+    assert sizes == [2, 4, 8, 12, 19, 23, 27, 34, 38, 42, 49, 53, 57, 40, 44, 48, 55, 59,
+                     37, 44, 48, 52, 59, 39, 43, 50, 54, 58, 42, 46, 50, 57]
+    assert changed == 4
+    sliding_sizes, sliding_changed = replay_growing("chat_long_tools", 1.0)
+    assert max(sliding_sizes) <= 60 and sliding_changed > 3 * changed
 
 
 def test_golden_zh_pinned() -> None:

@@ -69,7 +69,6 @@ class _State:
     conv: Conversation
     rules: PlanRules
     tokens_of: Callable[[int], int]
-    weight_of: Callable[[int], int]
     count_tokens: bool
     decision: list[tuple[str, str] | None]  # per group: (KEEP|DROP, stage)
     tokens_used: int = 0
@@ -225,7 +224,7 @@ def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
     """The first turn to keep, chosen among fixed checkpoints of the history.
 
     Checkpoints sit every (1 - low_water) of the budget along the history,
-    measured from its start with a cheap size (UTF-8 bytes / 4 for tokens,
+    measured from its start with a cheap size (approximate tokens from the text,
     characters, messages), so they do not move as turns are appended. The cut
     is the earliest checkpoint whose tail fits; it stays put until the tail no
     longer fits, then jumps to a checkpoint about one step later, leaving the
@@ -234,7 +233,6 @@ def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
     """
     limits = st.rules.limits
     conv = st.conv
-    weight = st.weight_of
     step = 1.0 - st.rules.low_water
     per_turn: dict[int, float] = {}
     for grp in conv.groups:
@@ -242,7 +240,7 @@ def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
             continue
         w = 0.0
         if limits.max_tokens is not None:
-            w = max(w, sum(weight(i) for i in grp.indices) / limits.max_tokens)
+            w = max(w, grp.weight / limits.max_tokens)
         if limits.max_chars is not None:
             w = max(w, grp.chars / limits.max_chars)
         if limits.max_messages is not None:
@@ -319,14 +317,11 @@ def plan(
     tokens_of: Callable[[int], int],
     overhead_tokens: int = 0,
     tokens_upper_bound: int | None = None,
-    weight_of: Callable[[int], int] | None = None,
 ) -> Plan:
     """Decide which messages to keep.
 
     `tokens_of(i)` gives message i's tokens; `overhead_tokens` is what the request
-    pays besides messages (priming, tool schemas). `weight_of(i)` is a cheap,
-    stable size of message i in token units, used to place stepped cuts
-    (default: its characters / 4). `tokens_upper_bound`, when
+    pays besides messages (priming, tool schemas). `tokens_upper_bound`, when
     given, is a cheap bound on the total (e.g. the body size in bytes): if it and
     the other measures already fit, nothing is tokenized and nothing dropped.
     """
@@ -347,7 +342,6 @@ def plan(
         conv=conv,
         rules=rules,
         tokens_of=tokens_of,
-        weight_of=weight_of or (lambda i: (conv.chars[i] + 3) // 4),
         count_tokens=lim.max_tokens is not None,
         decision=[None] * len(groups),
         group_tokens=[-1] * len(groups),

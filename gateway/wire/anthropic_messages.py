@@ -16,13 +16,14 @@ from ..conversation import (
     Conversation,
     Group,
     Unplannable,
+    approx_weight,
     content_chars,
     first_text,
     pin_of,
     read_metadata,
 )
 from ..tokens import PER_MEDIA_PART, PER_MESSAGE, REPLY_PRIMING, TokenCounter
-from .base import META_KEY, Wire, approx_tokens, json_text
+from .base import META_KEY, Wire, json_text
 
 ROLES = ("user", "assistant")
 
@@ -81,6 +82,7 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
             open_uses = set(tool_ids(content, "tool_use", "id"))
         grp = groups[-1]
         grp.chars += n_chars
+        grp.weight += approx_weight(content, n_chars)
         if pin is not None:
             grp.pins.append((i, pin))
     return Conversation(
@@ -130,11 +132,6 @@ class AnthropicMessages(Wire):
 
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
         return PER_MESSAGE + 1 + content_tokens(item.get("content"), counter)
-
-    def item_weight(self, item: Any) -> int:
-        content = item.get("content")
-        text = content if isinstance(content, str) else json_text(content)
-        return PER_MESSAGE + 1 + approx_tokens(text)
 
     def item_chars(self, item: Any) -> int:
         return content_chars(item.get("content")) if isinstance(item, dict) else 0

@@ -36,9 +36,6 @@ class Wire:
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
         raise NotImplementedError
 
-    def item_weight(self, item: Any) -> int:
-        raise NotImplementedError
-
     def item_chars(self, item: Any) -> int:
         raise NotImplementedError
 
@@ -72,15 +69,6 @@ class Wire:
                 m = self.with_cache_marker(m)
             out.append(m)
         return orjson.dumps({**payload, self.items_key: out})
-
-
-def approx_tokens(s: str) -> int:
-    """~4 ASCII characters per token, ~1 token per CJK character; no tokenizer."""
-    n = len(s)
-    if s.isascii():
-        return (n + 3) // 4
-    wide = (len(s.encode("utf-8", "surrogatepass")) - n) // 2  # 3-byte chars count 1
-    return (n - wide + 3) // 4 + wide
 
 
 def json_text(value: Any) -> str:

@@ -11,13 +11,15 @@ from ..conversation import (
     Conversation,
     Group,
     Unplannable,
+    approx_tokens,
+    approx_weight,
     content_chars,
     first_text,
     pin_of,
     read_metadata,
 )
 from ..tokens import PER_MEDIA_PART, PER_MESSAGE, PER_NAME, REPLY_PRIMING, TokenCounter
-from .base import META_KEY, Wire, approx_tokens, json_text
+from .base import META_KEY, Wire
 
 FIXED_ROLES = frozenset(("system", "developer"))
 
@@ -94,6 +96,7 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
                     merged.indices.extend(later.indices)
                     merged.pins.extend(later.pins)
                     merged.chars += later.chars
+                    merged.weight += later.weight
                 del groups[g + 1 :]
                 for k, v in open_calls.items():
                     if v > g:
@@ -103,6 +106,13 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
             raise Unplannable("unknown_role")
         grp = groups[-1]
         grp.chars += n_chars
+        grp.weight += approx_weight(content, n_chars)
+        calls = m.get("tool_calls")
+        if calls:
+            for call in calls:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    grp.weight += approx_tokens(fn["arguments"]) + 3
         if pin is not None:
             grp.pins.append((i, pin))
     return Conversation(
@@ -152,21 +162,6 @@ def message_tokens(m: dict[str, Any], counter: TokenCounter) -> int:
     return n
 
 
-def message_weight(m: dict[str, Any]) -> int:
-    """A cheap, stable size in token units for placing stepped cuts (no tokenizer)."""
-    content = m.get("content")
-    if isinstance(content, str):
-        n = approx_tokens(content)
-    elif content is None:
-        n = 0
-    else:
-        n = approx_tokens(json_text(content))
-    calls = m.get("tool_calls")
-    if calls:
-        n += approx_tokens(json_text(calls))
-    return PER_MESSAGE + 1 + n
-
-
 def overhead_tokens(body: dict[str, Any], counter: TokenCounter) -> int:
     """Tokens every request pays besides its messages: reply priming and tool schemas."""
     n = REPLY_PRIMING
@@ -186,9 +181,6 @@ class OpenAIChat(Wire):
 
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
         return message_tokens(item, counter)
-
-    def item_weight(self, item: Any) -> int:
-        return message_weight(item)
 
     def item_chars(self, item: Any) -> int:
         return content_chars(item.get("content")) if isinstance(item, dict) else 0

@@ -17,13 +17,14 @@ from ..conversation import (
     Conversation,
     Group,
     Unplannable,
+    approx_weight,
     content_chars,
     first_text,
     pin_of,
     read_metadata,
 )
 from ..tokens import PER_MEDIA_PART, PER_MESSAGE, REPLY_PRIMING, TokenCounter
-from .base import META_KEY, Wire, approx_tokens, json_text
+from .base import META_KEY, Wire, json_text
 
 CALLS = frozenset(("function_call", "custom_tool_call", "computer_call", "local_shell_call"))
 OUTPUTS = frozenset(
@@ -121,6 +122,7 @@ def parse(items: list[Any], prefix: str, min_score: float) -> Conversation:
                     merged.indices.extend(later.indices)
                     merged.pins.extend(later.pins)
                     merged.chars += later.chars
+                    merged.weight += later.weight
                 del groups[g + 1 :]
                 for k, v in open_calls.items():
                     if v > g:
@@ -140,6 +142,7 @@ def parse(items: list[Any], prefix: str, min_score: float) -> Conversation:
                 groups.append(Group([i], turn, False))
         grp = groups[-1]
         grp.chars += n_chars
+        grp.weight += approx_weight(content, n_chars)
         if pin is not None:
             grp.pins.append((i, pin))
     return Conversation(
@@ -193,11 +196,6 @@ class OpenAIResponses(Wire):
                     n += counter.count(str(s.get("text", "")))
             n += len(str(item.get("encrypted_content") or "")) // 4
         return n
-
-    def item_weight(self, item: Any) -> int:
-        content = _text_of(item)
-        text = content if isinstance(content, str) else json_text(content or "")
-        return PER_MESSAGE + 1 + approx_tokens(text)
 
     def item_chars(self, item: Any) -> int:
         return content_chars(_text_of(item)) if isinstance(item, dict) else 0
