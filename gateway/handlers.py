@@ -16,7 +16,7 @@ from .app import STATE, GatewayState
 from .chat import Decision, decide
 from .errors import ApiFlavor, GatewayError, PayloadTooLarge, render_error
 from .session import session_id, tenant_of
-from .state import SessionRecord, compare_cut, fingerprint
+from .state import SessionRecord, appended, compare_cut, fingerprint
 from .upstream import Relayed, relay
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
@@ -79,7 +79,9 @@ def _session(request: web.Request, header: str, d: Decision | None, tenant: str)
     return session_id(request.headers, header, payload, tenant, system, first_user)
 
 
-def mem_fields(d: Decision | None, include_indices: bool) -> dict[str, Any]:
+def mem_fields(
+    d: Decision | None, include_indices: bool, est_tokens: int | None = None
+) -> dict[str, Any]:
     """The measurement and plan part of the [mem] line."""
     if d is None:
         return {"hist_msgs": 0, "hist_chars": 0, "est_tokens": 0, "budget_tokens": None,
@@ -92,7 +94,7 @@ def mem_fields(d: Decision | None, include_indices: bool) -> dict[str, Any]:
         "turn": turn,
         "hist_msgs": len(msgs),
         "hist_chars": d.hist_chars(),
-        "est_tokens": d.est_tokens(),
+        "est_tokens": d.est_tokens() if est_tokens is None else est_tokens,
         "budget_tokens": d.budget_tokens,
     }
     p = d.plan
@@ -171,9 +173,11 @@ def _log_mem(
     tenant = tenant_of(request.headers)
     session = _session(request, session_header, d, tenant)
     fields: dict[str, Any] = {"session": session}
-    fields.update(mem_fields(d, include_indices=state.rules.log_level == "debug"))
-    if d is not None and d.plan is not None and d.mode == "on" and d.messages:
-        fields.update(_track_cut(state, tenant, session, d))
+    debug = state.rules.log_level == "debug"
+    if d is not None and d.conv is not None and d.messages:
+        fields.update(_measure_session(state, tenant, session, d, debug))
+    else:
+        fields.update(mem_fields(d, include_indices=debug))
     fields.update(
         mode=d.mode if d is not None else state.rules.memory.mode,
         model=d.model if d is not None else None,
@@ -195,18 +199,37 @@ def _log_mem(
     log.info("mem", **fields)
 
 
-def _track_cut(state: GatewayState, tenant: str, session: str, d: Decision) -> dict[str, Any]:
-    """cut=none|kept|moved and prefix_tokens: what stayed identical since the last request."""
-    assert d.plan is not None
+def _measure_session(
+    state: GatewayState, tenant: str, session: str, d: Decision, debug: bool
+) -> dict[str, Any]:
+    """[mem] fields for a parsed history, reusing the session's previous request.
+
+    A client resends its history with new messages appended: the tokens of what
+    was seen before are not summed again, and the forwarded prefix is compared
+    with last time (cut=none|kept|moved, prefix_tokens).
+    """
     msgs = d.messages
-    kept = d.plan.kept
-    cut = bool(d.plan.dropped)
-    status, same = compare_cut(state.sessions.get(tenant, session), kept, msgs, cut)
+    prev = state.sessions.get(tenant, session)
+    grown = appended(prev, msgs)
+    if grown and prev is not None:
+        msg_tokens = prev.msg_tokens + sum(
+            d.message_tokens(i) for i in range(prev.n_messages, len(msgs))
+        )
+    else:
+        msg_tokens = sum(d.message_tokens(i) for i in range(len(msgs)))
+    fields = mem_fields(d, debug, est_tokens=d.overhead_tokens() + msg_tokens)
+    on = d.plan is not None and d.mode == "on"
+    kept = d.plan.kept if on and d.plan is not None else tuple(range(len(msgs)))
+    cut = on and d.plan is not None and bool(d.plan.dropped)
+    if on:
+        status, same = compare_cut(prev, grown, kept, cut)
+        fields.update(cut=status, prefix_tokens=sum(d.message_tokens(i) for i in kept[:same]))
     state.sessions.put(
         tenant, session,
-        SessionRecord(kept=kept, n_messages=len(msgs), last=fingerprint(msgs[-1]), cut=cut),
+        SessionRecord(kept=kept, n_messages=len(msgs), last=fingerprint(msgs[-1]), cut=cut,
+                      msg_tokens=msg_tokens),
     )
-    return {"cut": status, "prefix_tokens": sum(d.message_tokens(i) for i in kept[:same])}
+    return fields
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:

@@ -24,6 +24,7 @@ class SessionRecord:
     n_messages: int  # history length last time
     last: bytes  # fingerprint of the last message last time (append-only check)
     cut: bool  # whether anything was dropped last time
+    msg_tokens: int  # tokens of all messages last time (est_tokens without overhead)
 
 
 def fingerprint(message: Any) -> bytes:
@@ -56,17 +57,22 @@ class SessionStore:
         return len(self._records)
 
 
+def appended(prev: SessionRecord | None, messages: Sequence[Any]) -> bool:
+    """Is this history the previous one with messages appended (what clients send)?"""
+    return (
+        prev is not None
+        and 0 < prev.n_messages <= len(messages)
+        and fingerprint(messages[prev.n_messages - 1]) == prev.last
+    )
+
+
 def compare_cut(
-    prev: SessionRecord | None, kept: Sequence[int], messages: Sequence[Any], cut: bool
+    prev: SessionRecord | None, grown: bool, kept: Sequence[int], cut: bool
 ) -> tuple[str, int]:
     """`cut=` value (none | kept | moved) and how many forwarded messages at the start
     are the same as in the previous forwarded request of this session."""
     same = 0
-    if (
-        prev is not None
-        and 0 < prev.n_messages <= len(messages)
-        and fingerprint(messages[prev.n_messages - 1]) == prev.last
-    ):
+    if prev is not None and grown:
         # the history grew by appending: index i is the same message as last time
         n = min(len(prev.kept), len(kept))
         while same < n and prev.kept[same] == kept[same]:

@@ -1,0 +1,99 @@
+"""Cache-stable cuts through the gateway: cut=/prefix_tokens, est_tokens reuse, restarts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gateway.chat import decide
+from gateway.tokens import Tokenizers
+
+from .conftest import SECRET, GatewayFactory, Upstream, sample
+
+BUDGET = {"max_tokens": None, "max_chars": 6000, "max_messages": None, "max_turns": None}
+
+
+def growing_requests() -> list[dict[str, Any]]:
+    body = sample("chat_long_tools")
+    msgs = body["messages"]
+    return [{**body, "messages": msgs[: i + 1]} for i, m in enumerate(msgs) if m["role"] == "user"]
+
+
+async def send(url: str, body: dict[str, Any], session: str = "s-grow") -> None:
+    async with aiohttp.ClientSession() as s, s.post(
+        f"{url}/v1/chat/completions", data=orjson.dumps(body),
+        headers={"Authorization": f"Bearer {SECRET}", "X-Session-Id": session,
+                 "Content-Type": "application/json"},
+    ) as r:
+        assert r.status == 200
+        await r.read()
+
+
+async def test_cut_kept_and_moved_follow_the_forwarded_prefix(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """Along a growing session, cut=kept exactly when the previous forwarded messages are a
+    prefix of this one's, and prefix_tokens is then the tokens of all of them."""
+    gw = await gateway(memory={"enable_eviction": True, "budget": BUDGET})
+    reqs = growing_requests()
+    for body in reqs:
+        await send(gw.url, body)
+    events = gw.mem_events()
+    bodies = [orjson.loads(r["raw"])["messages"] for r in upstream.received]
+    assert len(events) == len(bodies) == len(reqs)
+    statuses = [e["cut"] for e in events]
+    assert statuses.count("kept") > statuses.count("moved") > 0
+    for prev, cur, ev in zip(bodies, bodies[1:], events[1:], strict=False):
+        if ev["cut"] == "kept":
+            assert cur[: len(prev)] == prev
+            assert int(ev["prefix_tokens"]) > 0
+        elif ev["cut"] == "moved":
+            assert cur[: len(prev)] != prev
+
+
+async def test_est_tokens_reused_from_the_session_equals_a_full_count(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """est_tokens computed incrementally per session equals counting the whole history."""
+    gw = await gateway(memory={"enable_eviction": True, "budget": BUDGET})
+    reqs = growing_requests()
+    for body in reqs:
+        await send(gw.url, body)
+    tok = Tokenizers(10_000)
+    for body, ev in zip(reqs, gw.mem_events(), strict=True):
+        raw = orjson.dumps(body)
+        assert int(ev["est_tokens"]) == decide(raw, body, gw.state.rules, tok).est_tokens()
+
+
+async def test_restart_forwards_the_same_cut(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """A gateway that lost its state (restart, another replica) forwards the same body."""
+    gw = await gateway(memory={"enable_eviction": True, "budget": BUDGET})
+    reqs = growing_requests()
+    for body in reqs[:-1]:
+        await send(gw.url, body)
+    await send(gw.url, reqs[-1])
+    warm = upstream.received[-1]["raw"]
+    fresh = await gateway(memory={"enable_eviction": True, "budget": BUDGET})
+    await send(fresh.url, reqs[-1])
+    assert upstream.received[-1]["raw"] == warm
+
+
+async def test_sessions_are_kept_apart_by_tenant(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """The same session id under another API key is another session (no shared state)."""
+    gw = await gateway(memory={"enable_eviction": True, "budget": BUDGET})
+    reqs = growing_requests()
+    await send(gw.url, reqs[-2])
+    async with aiohttp.ClientSession() as s, s.post(
+        f"{gw.url}/v1/chat/completions", data=orjson.dumps(reqs[-1]),
+        headers={"Authorization": "Bearer sk-other-tenant", "X-Session-Id": "s-grow",
+                 "Content-Type": "application/json"},
+    ) as r:
+        await r.read()
+    assert gw.mem_events()[-1]["cut"] == "moved"  # nothing known for this tenant's session
+    assert len(gw.state.sessions) == 2
