@@ -16,7 +16,7 @@ from .app import STATE, GatewayState
 from .chat import Decision, decide
 from .errors import ApiFlavor, GatewayError, PayloadTooLarge, render_error
 from .session import session_id, tenant_of
-from .state import SessionRecord, appended, compare_cut, fingerprint
+from .state import SessionRecord, compare_cut, fingerprint, known_prefix
 from .upstream import Relayed, relay
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
@@ -210,13 +210,9 @@ def _measure_session(
     """
     msgs = d.messages
     prev = state.sessions.get(tenant, session)
-    grown = appended(prev, msgs)
-    if grown and prev is not None:
-        msg_tokens = prev.msg_tokens + sum(
-            d.message_tokens(i) for i in range(prev.n_messages, len(msgs))
-        )
-    else:
-        msg_tokens = sum(d.message_tokens(i) for i in range(len(msgs)))
+    known, known_tokens = known_prefix(prev, msgs)
+    grown = prev is not None and known == prev.n_messages
+    msg_tokens = known_tokens + sum(d.message_tokens(i) for i in range(known, len(msgs)))
     fields = mem_fields(d, debug, est_tokens=d.overhead_tokens() + msg_tokens)
     on = d.plan is not None and d.mode == "on"
     kept = d.plan.kept if on and d.plan is not None else tuple(range(len(msgs)))
@@ -224,10 +220,14 @@ def _measure_session(
     if on:
         status, same = compare_cut(prev, grown, kept, cut)
         fields.update(cut=status, prefix_tokens=sum(d.message_tokens(i) for i in kept[:same]))
+    n = len(msgs)
     state.sessions.put(
         tenant, session,
-        SessionRecord(kept=kept, n_messages=len(msgs), last=fingerprint(msgs[-1]), cut=cut,
-                      msg_tokens=msg_tokens),
+        SessionRecord(
+            kept=kept, n_messages=n, last=fingerprint(msgs[-1]), cut=cut, msg_tokens=msg_tokens,
+            before_last=fingerprint(msgs[-2]) if n > 1 else b"",
+            msg_tokens_before_last=msg_tokens - d.message_tokens(n - 1),
+        ),
     )
     return fields
 

@@ -25,6 +25,8 @@ class SessionRecord:
     last: bytes  # fingerprint of the last message last time (append-only check)
     cut: bool  # whether anything was dropped last time
     msg_tokens: int  # tokens of all messages last time (est_tokens without overhead)
+    before_last: bytes = b""  # fingerprint of the message before the last one
+    msg_tokens_before_last: int = 0  # tokens of all messages but the last one
 
 
 def fingerprint(message: Any) -> bytes:
@@ -64,6 +66,20 @@ def appended(prev: SessionRecord | None, messages: Sequence[Any]) -> bool:
         and 0 < prev.n_messages <= len(messages)
         and fingerprint(messages[prev.n_messages - 1]) == prev.last
     )
+
+
+def known_prefix(prev: SessionRecord | None, messages: Sequence[Any]) -> tuple[int, int]:
+    """(n, tokens): the first n messages are known from the previous request, with their
+    tokens — all of them when the client appended, all but the last when it replaced the
+    last message (a retry or an edited question)."""
+    if prev is None:
+        return 0, 0
+    if appended(prev, messages):
+        return prev.n_messages, prev.msg_tokens
+    n = prev.n_messages - 1
+    if 0 < n <= len(messages) and prev.before_last and fingerprint(messages[n - 1]) == prev.before_last:
+        return n, prev.msg_tokens_before_last
+    return 0, 0
 
 
 def compare_cut(

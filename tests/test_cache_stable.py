@@ -97,3 +97,21 @@ async def test_sessions_are_kept_apart_by_tenant(
         await r.read()
     assert gw.mem_events()[-1]["cut"] == "moved"  # nothing known for this tenant's session
     assert len(gw.state.sessions) == 2
+
+
+async def test_est_tokens_reused_when_the_last_message_is_replaced(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """A retry with an edited last message reuses the known prefix and still counts right."""
+    gw = await gateway(memory={"enable_eviction": True, "budget": BUDGET})
+    body = growing_requests()[-1]
+    edited = {**body, "messages": [*body["messages"][:-1],
+                                   {"role": "user", "content": "A different question, 不同的问题"}]}
+    await send(gw.url, body)
+    await send(gw.url, edited)
+    tok = Tokenizers(10_000)
+    first, second = gw.mem_events()
+    assert int(first["est_tokens"]) == decide(orjson.dumps(body), body, gw.state.rules,
+                                              tok).est_tokens()
+    assert int(second["est_tokens"]) == decide(orjson.dumps(edited), edited, gw.state.rules,
+                                               tok).est_tokens()
