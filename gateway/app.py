@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from . import logging as mglog
+from .metrics import Metrics
 from .reload import Reloader
 from .rules import Rules
 from .state import SessionStore
@@ -27,6 +28,7 @@ class GatewayState:
     reloader: Reloader
     tokenizers: Tokenizers
     sessions: SessionStore
+    metrics: Metrics = field(default_factory=Metrics)
     pool: UpstreamPool = field(default_factory=UpstreamPool)
     log: Any = None
 
@@ -70,7 +72,8 @@ def create_app(
         if (old.models, old.default_encoding) != (new.models, new.default_encoding):
             _preload_tokenizers(state, new)
 
-    reloader = Reloader(config_path, env or {}, rules, on_swap, log, watch_interval_s)
+    reloader = Reloader(config_path, env or {}, rules, on_swap, log, watch_interval_s,
+                        on_result=lambda result: state.metrics.reloads.labels(result).inc())
     state = GatewayState(
         reloader=reloader,
         tokenizers=Tokenizers(rules.token_cache_size),
@@ -110,6 +113,7 @@ def create_app(
     app.cleanup_ctx.append(resources)
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/readyz", handlers.readyz)
+    app.router.add_get("/metrics", handlers.metrics)
     for path, wire in PATHS.items():
         app.router.add_post(path, handlers.intercept(wire))
     app.router.add_route("*", "/{tail:.*}", handlers.passthrough)

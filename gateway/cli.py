@@ -178,6 +178,32 @@ def cmd_evict(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- stats
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from . import stats
+
+    env = dict(os.environ)
+    rules = _load_or_exit(default_config(args.config, env), env)
+    report = stats.measure(args.paths, rules, simulate=args.config is not None,
+                           progress=sys.stderr if sys.stderr.isatty() else None)
+    summary = stats.summary(report)
+    if args.json:
+        summary["skipped_detail"] = report.skipped[:100]
+        sys.stdout.write(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        print(stats.render_table(summary))
+        for why in report.skipped[:10]:
+            print(f"skipped: {why}", file=sys.stderr)
+    if args.plot:
+        error = stats.plot(report, args.plot, report.budget_tokens)
+        if error:
+            print(f"memgate stats: {error}", file=sys.stderr)
+            return 2
+    return 0 if report.samples else 1
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -210,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--api", choices=["chat", "messages", "responses"], default=None,
                    help="the payload's API (default: from the file name prefix, else its shape)")
     e.set_defaults(func=cmd_evict)
+    st = sub.add_parser("stats", help="measure saved payloads / [mem] logs (and a policy)")
+    st.add_argument("paths", nargs="+", help="JSON/JSONL files, log files, directories, or -")
+    st.add_argument("--config", default=None, help="also simulate this config's policy")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--plot", default=None, help="write a tokens histogram PNG (matplotlib)")
+    st.set_defaults(func=cmd_stats)
     return ap
 
 

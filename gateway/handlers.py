@@ -197,6 +197,8 @@ def _log_mem(
     if info.stream != "complete":
         fields["stream"] = info.stream
     log.info("mem", **fields)
+    state.metrics.observe(wire.name, fields["mode"], d, info, overhead_ms / 1000,
+                          fields.get("est_tokens") if d is not None and d.conv else None)
 
 
 def _measure_session(
@@ -254,6 +256,11 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         return await relay(request, state.pool, up, body, info, extra)
     except GatewayError as err:
         return error_response(err, flavor)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    m = request.app[STATE].metrics
+    return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
 
 
 async def healthz(request: web.Request) -> web.Response:

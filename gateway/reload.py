@@ -42,6 +42,7 @@ class Reloader:
         on_swap: Callable[[Rules, Rules], None],
         log: Any,
         interval_s: float = 0.5,
+        on_result: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.env = env
@@ -49,6 +50,7 @@ class Reloader:
         self.on_swap = on_swap
         self.log = log
         self.interval_s = interval_s
+        self.on_result = on_result or (lambda _result: None)
         self._files = self._files_of(rules)
         self._sig = _signature(self._files)
         self.ok = 0
@@ -73,6 +75,7 @@ class Reloader:
         except RulesError as exc:
             self.failed += 1
             self._failing = True
+            self.on_result("failed")
             self.log.error(
                 "config_reload", result="failed", trigger=reason, file=exc.file,
                 line=exc.line, key=exc.key, reason=exc.reason,
@@ -89,6 +92,7 @@ class Reloader:
             return False
         self.rules = new
         self.ok += 1
+        self.on_result("ok")
         self.on_swap(old, new)
         self.log.info(
             "config_reload", result="ok", trigger=reason, file=new.source,

@@ -1,0 +1,86 @@
+"""Prometheus metrics (`GET /metrics`). Labels are bounded: api, mode, status code,
+reload result — never a session id or a model name a client can invent."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from .chat import Decision
+    from .upstream import Relayed
+
+TOKEN_BUCKETS = (250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000, 256000)
+DROP_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+SECOND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
+                  10, 30, 60)
+
+
+class Metrics:
+    """One registry per gateway app (tests run several apps in one process)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("memgate_requests_total", "Requests by route, mode and status",
+                                ["route", "mode", "status"], registry=r)
+        self.tokens_before = Histogram("memgate_history_tokens_before",
+                                       "Estimated request tokens as the client sent them",
+                                       ["route"], buckets=TOKEN_BUCKETS, registry=r)
+        self.tokens_after = Histogram("memgate_history_tokens_after",
+                                      "Estimated request tokens as forwarded",
+                                      ["route"], buckets=TOKEN_BUCKETS, registry=r)
+        self.dropped = Histogram("memgate_dropped_messages", "Messages dropped per request",
+                                 ["route"], buckets=DROP_BUCKETS, registry=r)
+        self.overhead = Histogram("memgate_gateway_overhead_seconds",
+                                  "Gateway time before forwarding", ["route"],
+                                  buckets=SECOND_BUCKETS, registry=r)
+        self.upstream = Histogram("memgate_upstream_latency_seconds",
+                                  "Time to upstream response headers", ["route"],
+                                  buckets=SECOND_BUCKETS, registry=r)
+        self.pinned = Counter("memgate_pinned_kept_total", "Pinned messages kept", registry=r)
+        self.pinned_overflow = Counter("memgate_pinned_overflow_total",
+                                       "Pinned messages beyond max_pinned", registry=r)
+        self.over_budget = Counter("memgate_over_budget_total",
+                                   "Requests whose forced part exceeded the budget", registry=r)
+        self.skipped = Counter("memgate_evict_skipped_total", "Requests not planned",
+                               ["route"], registry=r)
+        self.reloads = Counter("memgate_config_reloads_total", "Config reloads", ["result"],
+                               registry=r)
+        self.bytes_relayed = Counter("memgate_relayed_bytes_total",
+                                     "Response bytes relayed to clients", ["route"], registry=r)
+
+    def observe(
+        self, route: str, mode: str, d: Decision | None, info: Relayed, overhead_s: float,
+        est_tokens: int | None,
+    ) -> None:
+        self.requests.labels(route, mode, str(info.status or 499)).inc()
+        self.overhead.labels(route).observe(overhead_s)
+        if info.status:
+            self.upstream.labels(route).observe(info.upstream_ms / 1000)
+        self.bytes_relayed.labels(route).inc(info.bytes_out)
+        if d is None:
+            return
+        if d.skip_reason is not None:
+            self.skipped.labels(route).inc()
+        if est_tokens is not None:
+            self.tokens_before.labels(route).observe(est_tokens)
+            p = d.plan
+            if p is not None and mode == "on" and p.dropped:
+                after = d.overhead_tokens() + sum(d.message_tokens(i) for i in p.kept)
+            else:
+                after = est_tokens
+            self.tokens_after.labels(route).observe(after)
+        p = d.plan
+        if p is not None:
+            self.dropped.labels(route).observe(len(p.dropped) if mode == "on" else 0)
+            self.pinned.inc(p.pinned)
+            self.pinned_overflow.inc(p.pinned_overflow)
+            if p.over_budget:
+                self.over_budget.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
