@@ -204,6 +204,27 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0 if report.samples else 1
 
 
+# --------------------------------------------------------------------------- replay
+
+
+def cmd_replay_ab(args: argparse.Namespace) -> int:
+    from . import replay
+
+    env = dict(os.environ)
+    rules = _load_or_exit(default_config(args.config, env), env)
+    try:
+        return replay.main(args, rules)
+    except (OSError, ValueError, RuntimeError, aiohttp_errors()) as exc:
+        print(f"memgate replay ab: {exc}", file=sys.stderr)
+        return 2
+
+
+def aiohttp_errors() -> type[Exception]:
+    import aiohttp
+
+    return aiohttp.ClientError
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -242,6 +263,18 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.add_argument("--plot", default=None, help="write a tokens histogram PNG (matplotlib)")
     st.set_defaults(func=cmd_stats)
+    rp = sub.add_parser("replay", help="replay conversations: ab")
+    rsub = rp.add_subparsers(dest="replay_command", required=True)
+    ab = rsub.add_parser("ab", help="A (no eviction) vs B (a policy) on one long conversation")
+    ab.add_argument("conversation", help="chat payload JSON (the long history)")
+    ab.add_argument("--probes", required=True, help="YAML list of probe questions")
+    ab.add_argument("--upstream", required=True, help="OpenAI-compatible base URL to ask")
+    ab.add_argument("--config", default=None, help="the policy for B (default rules)")
+    ab.add_argument("--repeat", type=int, default=1, help="runs per probe (stability)")
+    ab.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
+                    help="key for the upstream (default $OPENAI_API_KEY)")
+    ab.add_argument("--out", default="replay-report", help="directory for report.md/.html")
+    ab.set_defaults(func=cmd_replay_ab)
     return ap
 
 

@@ -1,12 +1,15 @@
 """A deterministic OpenAI/Anthropic-compatible upstream for `memgate demo` (no network).
 
-It answers from what it received, so a demo (or a replay) shows what the
-gateway forwarded: the reply names the message count and the pinned facts it
-can still see. It records every chat body it got, per session header.
+It answers from what it received, so a demo (or an A/B replay) shows what the
+gateway forwarded: the reply names the message count, quotes the earlier
+message that best matches the question (its "evidence": gone from the request,
+gone from the answer) and lists the pinned facts it can still see. It records
+every chat body it got, per session header.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -24,6 +27,10 @@ def _text(content: Any) -> str:
     return ""
 
 
+def _words(text: str) -> set[str]:
+    return {w for w in re.findall(r"[\w./-]+", text.lower()) if len(w) > 3}
+
+
 def _reply_text(body: dict[str, Any]) -> str:
     msgs = body.get("messages") or body.get("input") or []
     if isinstance(msgs, str):
@@ -32,6 +39,13 @@ def _reply_text(body: dict[str, Any]) -> str:
     pins = [t[:60] for _, t in texts if t.lstrip().startswith("[PIN]")]
     last_s = next((t for role, t in reversed(texts) if role == "user" and t), "")
     text = f"mock reply: I saw {len(msgs)} messages; you asked: {last_s[:60]!r}."
+    asked = _words(last_s)
+    best = max(
+        ((len(asked & _words(t)), -i, t) for i, (_, t) in enumerate(texts[:-1]) if t),
+        default=(0, 0, ""),
+    )
+    if best[0] >= 2:
+        text += f" Evidence: {best[2][:200]}"
     if pins:
         text += " Pinned: " + " | ".join(pins)
     return text

@@ -1,0 +1,55 @@
+"""memgate replay ab against a deterministic upstream that answers from its input."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.mock_upstream import create_mock_app
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def run_cli(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "replay", "ab", *args, cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    return proc.returncode or 0, out.decode()
+
+
+@pytest.fixture
+async def evidence_upstream(aiohttp_server: Any) -> str:
+    server = await aiohttp_server(create_mock_app())
+    return str(server.make_url("")).rstrip("/")
+
+
+async def test_pinned_probes_pass_and_report_is_written(
+    evidence_upstream: str, tmp_path: Path
+) -> None:
+    """Early constraint and mid conclusion are pinned: B restates them like A; reports exist."""
+    code, out = await run_cli("samples/chat_long_tools.json", "--probes",
+                              "samples/probes_long_tools.yaml", "--upstream", evidence_upstream,
+                              "--repeat", "2", "--out", str(tmp_path),
+                              "--config", "rules/gateway.yaml")
+    assert "PASS early-constraint" in out and "PASS mid-conclusion" in out, out
+    md = (tmp_path / "report.md").read_text()
+    assert "report_0421.csv" in md and "| pinned_in_b | ok |" in md
+    assert (tmp_path / "report.html").read_text().startswith("<!doctype html>")
+    assert code == (0 if "FAIL" not in out else 1)
+
+
+async def test_a_lost_fact_fails_for_real(evidence_upstream: str, tmp_path: Path) -> None:
+    """A probe about an early, unpinned detail: A restates it, B cannot; exit 1."""
+    code, out = await run_cli("samples/chat_long_tools.json", "--probes",
+                              "samples/probes_lost_fact.yaml", "--upstream", evidence_upstream,
+                              "--out", str(tmp_path))
+    assert code == 1, out
+    assert "FAIL dropped-detail" in out
+    assert "FAIL b_restates:Turn 1: list /data/refunds" in out
+    md = (tmp_path / "report.md").read_text()
+    assert "| a_restates:Turn 1: list /data/refunds | ok |" in md
