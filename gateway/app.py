@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from . import logging as mglog
+from .capture import Capture
 from .metrics import Metrics
 from .reload import Reloader
 from .rules import Rules
@@ -29,6 +30,7 @@ class GatewayState:
     tokenizers: Tokenizers
     sessions: SessionStore
     metrics: Metrics = field(default_factory=Metrics)
+    capture: Capture = field(default_factory=Capture)
     pool: UpstreamPool = field(default_factory=UpstreamPool)
     log: Any = None
 
@@ -71,6 +73,7 @@ def create_app(
             state.log = reloader.log = mglog.get_logger()
         if (old.models, old.default_encoding) != (new.models, new.default_encoding):
             _preload_tokenizers(state, new)
+        state.capture.config_changed(new.capture)
 
     reloader = Reloader(config_path, env or {}, rules, on_swap, log, watch_interval_s,
                         on_result=lambda result: state.metrics.reloads.labels(result).inc())
@@ -90,6 +93,7 @@ def create_app(
         for up in state.rules.upstreams:
             state.pool.session(up)
         watcher = asyncio.create_task(reloader.run()) if config_path else None
+        writer = asyncio.create_task(state.capture.run())
         loop = asyncio.get_running_loop()
         hup = False
         try:
@@ -102,12 +106,14 @@ def create_app(
         finally:
             if hup:
                 loop.remove_signal_handler(signal.SIGHUP)
-            if watcher is not None:
-                watcher.cancel()
-                try:
-                    await watcher
-                except asyncio.CancelledError:
-                    pass
+            await state.capture.drain()  # nothing captured is lost on a clean shutdown
+            for task in (watcher, writer):
+                if task is not None:
+                    task.cancel()
+                    try:
+                        await task
+                    except asyncio.CancelledError:
+                        pass
             await state.pool.close()
 
     app.cleanup_ctx.append(resources)

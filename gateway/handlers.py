@@ -14,6 +14,7 @@ from aiohttp import web
 
 from .app import STATE, GatewayState
 from .chat import Decision, decide
+from .capture import record as capture_record
 from .errors import ApiFlavor, GatewayError, PayloadTooLarge, render_error
 from .session import session_id, tenant_of
 from .state import SessionRecord, compare_cut, fingerprint, known_prefix
@@ -197,6 +198,9 @@ def _log_mem(
     if info.stream != "complete":
         fields["stream"] = info.stream
     log.info("mem", **fields)
+    if d is not None:
+        state.capture.offer(state.rules.capture, rid, capture_record(
+            fields, wire.name, d.raw, d.payload is not None, d.forward))
     state.metrics.observe(wire.name, fields["mode"], d, info, overhead_ms / 1000,
                           fields.get("est_tokens") if d is not None and d.conv else None)
 

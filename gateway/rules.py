@@ -94,6 +94,15 @@ class ModelInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class CaptureRules:
+    enabled: bool = False
+    dir: str = "var/capture"
+    sample_rate: float = 0.01
+    max_files: int = 1000
+    around_change: int = 20
+
+
+@dataclass(frozen=True, slots=True)
 class Rules:
     memory: Memory = field(default_factory=Memory)
     upstreams: tuple[Upstream, ...] = (
@@ -110,6 +119,7 @@ class Rules:
     max_tracked_sessions: int = 10_000
     token_cache_size: int = 200_000
     approx_token_factor: float = 1.15
+    capture: CaptureRules = field(default_factory=CaptureRules)
     models: tuple[ModelInfo, ...] = ()
     default_encoding: str = "cl100k_base"
     default_context_window: int = 8192
@@ -462,9 +472,19 @@ def build_rules(
     top = r.section(
         data if data is not None else {},
         "",
-        {"memory", "upstreams", "listen", "logging", "limits", "session", "tokens"},
+        {"memory", "upstreams", "listen", "logging", "limits", "session", "tokens", "capture"},
     )
     memory = _parse_memory(r, top.get("memory"))
+    c = r.section(top.get("capture"), "capture",
+                  {"enabled", "dir", "sample_rate", "max_files", "around_change"})
+    dc = CaptureRules()
+    capture = CaptureRules(
+        enabled=r.get(c, "capture", "enabled", _bool, dc.enabled),
+        dir=r.get(c, "capture", "dir", _str(), dc.dir),  # relative: to the working directory
+        sample_rate=r.get(c, "capture", "sample_rate", _float(0.0, 1.0), dc.sample_rate),
+        max_files=r.get(c, "capture", "max_files", _int(1), dc.max_files),
+        around_change=r.get(c, "capture", "around_change", _int(0), dc.around_change),
+    )
     upstreams = _parse_upstreams(r, top.get("upstreams"))
     listen = r.section(top.get("listen"), "listen", {"host", "port"})
     logging_ = r.section(top.get("logging"), "logging", {"format", "level"})
@@ -497,6 +517,7 @@ def build_rules(
         max_tracked_sessions=r.get(session, "session", "max_tracked", _int(1), 10_000),
         token_cache_size=r.get(tokens, "tokens", "cache_size", _int(0), 200_000),
         approx_token_factor=r.get(tokens, "tokens", "approx_factor", _float(0.5, 3.0), 1.15),
+        capture=capture,
         models=models,
         default_encoding=default_encoding,
         default_context_window=default_window,

@@ -1,0 +1,84 @@
+"""Sample capture: full request payloads before and after eviction, for replay.
+
+Bounded in memory (a queue that drops, and counts, when full) and on disk
+(oldest files deleted past `max_files`); written by a background task in a
+worker thread, never on the request path. Headers are not stored at all, so
+Authorization / x-api-key cannot end up in a capture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .rules import CaptureRules
+
+
+class Capture:
+    def __init__(self, queue_size: int = 256) -> None:
+        self.queue: asyncio.Queue[tuple[CaptureRules, str, bytes]] = asyncio.Queue(queue_size)
+        self.after_change = 0
+        self.dropped = 0
+        self.written = 0
+
+    def config_changed(self, rules: CaptureRules) -> None:
+        """The next `around_change` requests are captured: before/after samples per change."""
+        self.after_change = rules.around_change if rules.enabled else 0
+
+    def offer(self, rules: CaptureRules, rid: str, record: dict[str, Any]) -> bool:
+        """Queue one record if this request is sampled; never blocks."""
+        if not rules.enabled:
+            return False
+        if self.after_change > 0:
+            self.after_change -= 1
+        elif random.random() >= rules.sample_rate:
+            return False
+        try:
+            self.queue.put_nowait((rules, rid, orjson.dumps(record)))
+        except asyncio.QueueFull:
+            self.dropped += 1
+            return False
+        return True
+
+    async def run(self) -> None:
+        while True:
+            rules, rid, data = await self.queue.get()
+            try:
+                await asyncio.to_thread(self._write, rules, rid, data)
+            finally:
+                self.queue.task_done()
+
+    async def drain(self, timeout_s: float = 10.0) -> None:
+        try:
+            await asyncio.wait_for(self.queue.join(), timeout_s)
+        except TimeoutError:
+            pass
+
+    def _write(self, rules: CaptureRules, rid: str, data: bytes) -> None:
+        d = Path(rules.dir)
+        d.mkdir(parents=True, exist_ok=True)
+        name = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{time.time_ns() % 10**9:09d}-{rid}"
+        tmp = d / f".{name}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, d / f"{name}.json")
+        self.written += 1
+        files = sorted(p for p in d.glob("*.json"))
+        for old in files[: max(0, len(files) - rules.max_files)]:
+            old.unlink(missing_ok=True)
+
+
+def record(mem: dict[str, Any], api: str, raw: bytes, parsed_ok: bool, forward: bytes) -> dict[
+        str, Any]:
+    """A capture: the [mem] fields and both bodies, embedded as JSON when they are JSON."""
+    return {
+        "mem": mem,
+        "api": api,
+        "before": orjson.Fragment(raw) if parsed_ok else raw.decode("utf-8", "replace"),
+        "after": orjson.Fragment(forward) if parsed_ok else forward.decode("utf-8", "replace"),
+    }
