@@ -274,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
                     help="key for the upstream (default $OPENAI_API_KEY)")
     ab.add_argument("--out", default="replay-report", help="directory for report.md/.html")
+    ab.add_argument("--as-configured", action="store_true",
+                    help="B forwards as the config stands (kill switch included): checks a rollback")
     ab.set_defaults(func=cmd_replay_ab)
     return ap
 

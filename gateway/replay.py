@@ -90,9 +90,12 @@ async def _ask(http: aiohttp.ClientSession, url: str, body: bytes, key: str) -> 
 
 async def run_ab(
     conversation: dict[str, Any], probes: list[Probe], upstream: str, rules: Rules,
-    repeat: int = 1, api_key: str = "", progress: Any = None,
+    repeat: int = 1, api_key: str = "", progress: Any = None, as_configured: bool = False,
 ) -> list[ProbeResult]:
-    on = replace(rules, memory=replace(rules.memory, enable_eviction=True))
+    # B applies the policy even if the file has the kill switch off, unless asked to
+    # forward exactly as the config stands (checking a rollback)
+    on = rules if as_configured else replace(rules, memory=replace(rules.memory,
+                                                                   enable_eviction=True))
     tok = Tokenizers(rules.token_cache_size)
     url = upstream.rstrip("/") + "/v1/chat/completions"
     params = {"temperature": 0, "seed": 7}
@@ -187,7 +190,8 @@ def main(args: Any, rules: Rules) -> int:
     conversation = orjson.loads(Path(args.conversation).read_bytes())
     probes = load_probes(Path(args.probes))
     results = asyncio.run(run_ab(conversation, probes, args.upstream, rules, args.repeat,
-                                 args.api_key or "", sys.stderr if sys.stderr.isatty() else None))
+                                 args.api_key or "", sys.stderr if sys.stderr.isatty() else None,
+                                 as_configured=args.as_configured))
     title = Path(args.conversation).name
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

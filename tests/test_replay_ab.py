@@ -53,3 +53,13 @@ async def test_a_lost_fact_fails_for_real(evidence_upstream: str, tmp_path: Path
     assert "FAIL b_restates:Turn 1: list /data/refunds" in out
     md = (tmp_path / "report.md").read_text()
     assert "| a_restates:Turn 1: list /data/refunds | ok |" in md
+
+
+async def test_as_configured_confirms_a_rollback(evidence_upstream: str, tmp_path: Path) -> None:
+    """With the kill switch off and --as-configured, B is A: the lost-fact probe passes."""
+    code, out = await run_cli("samples/chat_long_tools.json", "--probes",
+                              "samples/probes_lost_fact.yaml", "--upstream", evidence_upstream,
+                              "--out", str(tmp_path), "--config", "rules/gateway.yaml",
+                              "--as-configured")
+    assert code == 0, out
+    assert "PASS dropped-detail" in out
