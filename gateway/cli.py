@@ -219,6 +219,33 @@ def cmd_replay_ab(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_replay_expect(args: argparse.Namespace) -> int:
+    from .carry import expect
+
+    env = dict(os.environ)
+    rules = _load_or_exit(default_config(args.config, env), env)
+    patterns = rules.memory.carry_patterns
+    if patterns is None:
+        print("memgate replay expect: the config has no memory.carry section", file=sys.stderr)
+        return 2
+    try:
+        session = expect.load_session(Path(args.session))
+        expectations = expect.load_expectations(Path(args.expect))
+    except (OSError, ValueError) as exc:
+        print(f"memgate replay expect: {exc}", file=sys.stderr)
+        return 2
+    lines = expect.run(session, expectations, patterns, rules.memory.carry)
+    print("\n".join(lines))
+    failed = any(" FAIL" in ln for ln in lines)
+    if args.self_check:
+        for name, bad in expect.corruptions(expectations):
+            bad_lines = expect.run(session, bad, patterns, rules.memory.carry)
+            caught = any(" FAIL" in ln for ln in bad_lines)
+            print(f"self-check {name}: {'caught' if caught else 'NOT CAUGHT'}")
+            failed = failed or not caught
+    return 1 if failed or not lines else 0
+
+
 def aiohttp_errors() -> type[Exception]:
     import aiohttp
 
@@ -277,6 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--as-configured", action="store_true",
                     help="B forwards as the config stands (kill switch included): checks a rollback")
     ab.set_defaults(func=cmd_replay_ab)
+    ex = rsub.add_parser("expect", help="per-turn replay of a session against expectations")
+    ex.add_argument("session", help="JSONL: {turn, role, text} per line")
+    ex.add_argument("expect", help="YAML: turn -> {must_contain: {key: value}, must_not_contain}")
+    ex.add_argument("--config", default=None)
+    ex.add_argument("--self-check", action="store_true",
+                    help="also corrupt each expectation and require the run to fail")
+    ex.set_defaults(func=cmd_replay_expect)
     return ap
 
 

@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from .carry.rules import CarryPatterns, load_carry_patterns
+from .carry.snapshot import ALL_FIELDS, CarryRules
 from .errors import RulesError
 
 STAGES = ("pinned", "recent_turns", "length", "score")
@@ -58,6 +60,8 @@ class Memory:
     budget: Budget = field(default_factory=Budget)
     eviction: Eviction = field(default_factory=Eviction)
     markers: Markers = field(default_factory=Markers)
+    carry: CarryRules = field(default_factory=lambda: CarryRules(enabled=False))
+    carry_patterns: CarryPatterns | None = None
 
     @property
     def mode(self) -> Literal["off", "shadow", "on"]:
@@ -293,8 +297,41 @@ def _base_url(v: Any) -> str:
     return s.rstrip("/")
 
 
-def _parse_memory(r: _Reader, data: Any) -> Memory:
-    m = r.section(data, "memory", {"enable_eviction", "shadow", "budget", "eviction", "markers"})
+def _keep_fields(v: Any) -> tuple[str, ...]:
+    names = _str_list(v)
+    for n in names:
+        if n not in ALL_FIELDS:
+            raise ValueError(f"unknown field {n!r} (fields: {', '.join(ALL_FIELDS)})")
+    return names
+
+
+def _parse_carry(r: _Reader, data: Any, base_dir: Path) -> tuple[CarryRules, CarryPatterns | None]:
+    c = r.section(data, "memory.carry", {"enabled", "keep_fields", "drop_when", "ref_ttl_turns",
+                                         "log_skipped", "rules_file", "max_note_chars"})
+    if not c:
+        return CarryRules(enabled=False), None
+    dw = r.section(c.get("drop_when"), "memory.carry.drop_when",
+                   {"task_closed", "no_pending_reference", "small_talk_only"})
+    d = CarryRules()
+    k = "memory.carry"
+    rules = CarryRules(
+        enabled=r.get(c, k, "enabled", _bool, True),
+        keep_fields=r.get(c, k, "keep_fields", _keep_fields, d.keep_fields),
+        task_closed=r.get(dw, f"{k}.drop_when", "task_closed", _bool, d.task_closed),
+        no_pending_reference=r.get(dw, f"{k}.drop_when", "no_pending_reference", _bool,
+                                   d.no_pending_reference),
+        small_talk_only=r.get(dw, f"{k}.drop_when", "small_talk_only", _bool, d.small_talk_only),
+        ref_ttl_turns=r.get(c, k, "ref_ttl_turns", _int(0), d.ref_ttl_turns),
+        log_skipped=r.get(c, k, "log_skipped", _bool, d.log_skipped),
+        max_note_chars=r.get(c, k, "max_note_chars", _int(100), d.max_note_chars),
+    )
+    rules_file = r.get(c, k, "rules_file", _str(), "carry.yaml")
+    return rules, load_carry_patterns(base_dir / rules_file)
+
+
+def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> Memory:
+    m = r.section(data, "memory",
+                  {"enable_eviction", "shadow", "budget", "eviction", "markers", "carry"})
     b = r.section(
         m.get("budget"),
         "memory.budget",
@@ -340,12 +377,15 @@ def _parse_memory(r: _Reader, data: Any) -> Memory:
         system_prefix=r.get(k, "memory.markers", "system_prefix", _str(), dk.system_prefix),
         min_score=r.get(k, "memory.markers", "min_score", _float(0.0, 1.0), dk.min_score),
     )
+    carry, patterns = _parse_carry(r, m.get("carry"), base_dir)
     return Memory(
         enable_eviction=r.get(m, "memory", "enable_eviction", _bool, False),
         shadow=r.get(m, "memory", "shadow", _bool, True),
         budget=budget,
         eviction=eviction,
         markers=markers,
+        carry=carry,
+        carry_patterns=patterns,
     )
 
 
@@ -474,7 +514,7 @@ def build_rules(
         "",
         {"memory", "upstreams", "listen", "logging", "limits", "session", "tokens", "capture"},
     )
-    memory = _parse_memory(r, top.get("memory"))
+    memory = _parse_memory(r, top.get("memory"), base_dir)
     c = r.section(top.get("capture"), "capture",
                   {"enabled", "dir", "sample_rate", "max_files", "around_change"})
     dc = CaptureRules()
@@ -562,8 +602,13 @@ def apply_env(rules: Rules, env: Mapping[str, str]) -> Rules:
 
 def describe(rules: Rules) -> dict[str, Any]:
     """The effective config as plain data (for check-config and startup logs)."""
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
-    out = asdict(rules)
+    patterns = rules.memory.carry_patterns
+    out = asdict(replace(rules, memory=replace(rules.memory, carry_patterns=None)))
     out["memory"]["mode"] = rules.memory.mode
+    out["memory"]["carry_patterns"] = (
+        f"{len(patterns.refs)} ref patterns, {len(patterns.deictics)} deictics"
+        if patterns else None
+    )
     return out

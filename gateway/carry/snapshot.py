@@ -1,0 +1,242 @@
+"""Per-turn fields (MemT) and the minimal snapshot later turns still need.
+
+A deterministic fold over the visible history, message by message: extract
+refs, resolve deictic phrases ("刚才那个路径", "the previous one") against refs
+seen before, follow the task state, record a confirmed constraint when the user
+answers the assistant's question. Then the drop conditions remove what no later
+turn needs. Pure: no I/O; what was skipped is returned for the caller to log.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .rules import CarryPatterns, Deictic
+
+SEED_KEEP = ("task_state", "resolved_refs", "confirmed_constraints", "output_file")
+ALL_FIELDS = (*SEED_KEEP, "refs", "tool_results", "dropped_candidates", "ambiguous")
+
+
+@dataclass(frozen=True, slots=True)
+class CarryRules:
+    enabled: bool = True
+    keep_fields: tuple[str, ...] = SEED_KEEP
+    task_closed: bool = True
+    no_pending_reference: bool = True
+    small_talk_only: bool = True
+    ref_ttl_turns: int = 3
+    log_skipped: bool = True
+    max_note_chars: int = 1200
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message as the carry-over sees it."""
+
+    turn: int
+    role: str  # user | assistant | tool
+    text: str
+
+
+@dataclass(slots=True)
+class _Ref:
+    type: str
+    value: str
+    first_turn: int
+    last_turn: int
+
+
+@dataclass(slots=True)
+class Snapshot:
+    fields: dict[str, Any] = field(default_factory=dict)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (field or item, reason)
+
+    def get(self, dotted: str) -> Any:
+        """`resolved_refs.刚才那个路径` style lookup; None when absent."""
+        if dotted in self.fields:
+            return self.fields[dotted]
+        head, _, rest = dotted.partition(".")
+        node = self.fields.get(head)
+        return node.get(rest) if isinstance(node, dict) and rest else None
+
+    def __contains__(self, dotted: str) -> bool:
+        return self.get(dotted) is not None
+
+    @property
+    def count(self) -> int:
+        return len(self.fields)
+
+
+def _sentences_with_question(text: str) -> str:
+    parts = re.split(r"(?<=[。！？!?\n])|(?<=\.)\s+", text)
+    asked = [p.strip() for p in parts if p.strip().endswith(("？", "?"))]
+    return asked[-1] if asked else text.strip()[:160]
+
+
+def _first_clause(text: str) -> str:
+    return re.split(r"[，,。；;.!！]", text.strip(), maxsplit=1)[0].strip()[:120]
+
+
+class _Fold:
+    def __init__(self, p: CarryPatterns) -> None:
+        self.p = p
+        self.refs: dict[tuple[str, str], _Ref] = {}
+        self.order: list[tuple[str, str]] = []  # mention order, latest last
+        self.resolved: dict[str, str] = {}
+        self.ambiguous: list[str] = []
+        self.dropped_candidates: list[str] = []
+        self.task_state: str | None = None
+        self.pending_question: str | None = None
+        self.constraints: list[str] = []
+        self.output_file: str | None = None
+        self.tool_results: list[str] = []
+        self.skipped: list[tuple[str, str]] = []
+
+    def _mention(self, rtype: str, value: str, turn: int) -> None:
+        key = (rtype, value)
+        ref = self.refs.get(key)
+        if ref is None:
+            self.refs[key] = _Ref(rtype, value, turn, turn)
+        else:
+            ref.last_turn = turn
+            self.order.remove(key)
+        self.order.append(key)
+
+    def _candidates(self, rtype: str) -> list[_Ref]:
+        return [self.refs[k] for k in self.order if k[0] == rtype]
+
+    def _resolve(self, d: Deictic, phrase: str, turn: int) -> bool:
+        types = [d.type] if d.type != "any" else list(dict.fromkeys(t for t, _ in reversed(
+            self.order)))
+        need = 1 if d.pick == "latest" else 2
+        for rtype in types:
+            cands = self._candidates(rtype)
+            if len(cands) >= need:
+                if d.pick == "latest":
+                    chosen, other = cands[-1], None
+                elif d.pick == "earlier":
+                    chosen, other = cands[-2], cands[-1]
+                else:
+                    chosen, other = cands[-1], cands[-2]
+                self.resolved[phrase] = chosen.value
+                self._mention(chosen.type, chosen.value, turn)
+                if other is not None:  # the unchosen candidate: keep only its identifier
+                    self.dropped_candidates.append(other.value)
+                    self.refs.pop((other.type, other.value), None)
+                    self.order.remove((other.type, other.value))
+                return True
+            if d.type != "any":
+                break
+        self.ambiguous.append(phrase)
+        return False
+
+    def add(self, m: Message) -> None:
+        p, text = self.p, m.text
+        if m.role == "tool":
+            if text.strip():
+                self.tool_results = [*self.tool_results[-2:], text.strip().splitlines()[0][:160]]
+            return
+        if m.role == "user" and p.small_talk.match(text):
+            self.skipped.append((f"turn {m.turn}", "small_talk_only"))
+            return
+        resolved_now: list[str] = []
+        if m.role == "user":
+            for d in p.deictics:
+                for match in d.pattern.finditer(text):
+                    if self._resolve(d, match.group(0), m.turn):
+                        resolved_now.append(match.group(0))
+        found = [(rtype, mt.group(0)) for rtype, pat in p.refs for mt in pat.finditer(text)]
+        for rtype, value in found:
+            self._mention(rtype, value, m.turn)
+        files = [v for t, v in found if t == "file"]
+        if m.role == "user":
+            if self.pending_question is not None:
+                self.constraints.append(f"{self.pending_question} → {_first_clause(text)}")
+                self.pending_question = None
+                self.task_state = "in_progress"
+            elif p.create.search(text) and (found or resolved_now):
+                self.task_state = "created"
+            if files and (p.output_verbs.search(text) or self.task_state == "created"):
+                self.output_file = files[-1]
+        elif m.role == "assistant":
+            if p.ask.search(text) and self.task_state in ("created", "in_progress"):
+                self.pending_question = _sentences_with_question(text)
+                self.task_state = "awaiting_user"
+            elif p.close.search(text) and self.task_state is not None:
+                self.task_state = "closed"
+                self.pending_question = None
+
+    def snapshot(self, rules: CarryRules, current_turn: int) -> Snapshot:
+        out: dict[str, Any] = {}
+        skipped = list(self.skipped)
+        closed = self.task_state == "closed" and self.pending_question is None
+        if closed and rules.task_closed:
+            skipped += [(f, "task_closed") for f in ("task_state", "output_file",
+                                                      "confirmed_constraints")]
+        else:
+            if self.task_state:
+                out["task_state"] = self.task_state
+            if self.output_file:
+                out["output_file"] = self.output_file
+            if self.constraints:
+                out["confirmed_constraints"] = list(self.constraints)
+        live = {v for v in self.resolved.values()}
+        refs: dict[str, list[str]] = {}
+        for key in self.order:
+            ref = self.refs[key]
+            stale = current_turn - ref.last_turn > rules.ref_ttl_turns
+            if rules.no_pending_reference and stale and ref.value not in live and not (
+                    ref.value == self.output_file and "output_file" in out):
+                skipped.append((f"refs.{ref.type}:{ref.value}", "no_pending_reference"))
+                continue
+            refs.setdefault(ref.type, []).append(ref.value)
+        if self.resolved:
+            out["resolved_refs"] = dict(self.resolved)
+        if refs:
+            out["refs"] = refs
+        if self.tool_results:
+            out["tool_results"] = list(self.tool_results)
+        if self.dropped_candidates:
+            out["dropped_candidates"] = list(dict.fromkeys(self.dropped_candidates))
+        if self.ambiguous:
+            out["ambiguous"] = list(dict.fromkeys(self.ambiguous))
+        kept = {k: v for k, v in out.items() if k in rules.keep_fields}
+        skipped += [(k, "not_in_keep_fields") for k in out if k not in rules.keep_fields]
+        return Snapshot(kept, skipped)
+
+
+def build_snapshot(
+    messages: Iterable[Message], patterns: CarryPatterns, rules: CarryRules
+) -> Snapshot:
+    fold = _Fold(patterns)
+    current = 0
+    for m in messages:
+        fold.add(m)
+        current = max(current, m.turn)
+    return fold.snapshot(rules, current)
+
+
+def render_note(snap: Snapshot, template: str, max_chars: int) -> str | None:
+    """The compact note injected before the current turn, or None when there is nothing."""
+    f = snap.fields
+    lines = []
+    if "task_state" in f:
+        lines.append(f"- task state: {f['task_state']}")
+    if "output_file" in f:
+        lines.append(f"- output file: {f['output_file']}")
+    for phrase, value in (f.get("resolved_refs") or {}).items():
+        lines.append(f"- \"{phrase}\" = {value}")
+    for c in f.get("confirmed_constraints") or []:
+        lines.append(f"- confirmed: {c}")
+    for rtype, values in (f.get("refs") or {}).items():
+        lines.append(f"- {rtype}: {', '.join(values)}")
+    for t in f.get("tool_results") or []:
+        lines.append(f"- tool result: {t}")
+    if f.get("dropped_candidates"):
+        lines.append(f"- not chosen: {', '.join(f['dropped_candidates'])}")
+    if not lines:
+        return None
+    return template.replace("{lines}", "\n".join(lines))[:max_chars]
