@@ -16,7 +16,7 @@ from .capture import Capture
 from .metrics import Metrics
 from .reload import Reloader
 from .rules import Rules
-from .state import SessionStore
+from .state import SessionRecord, SessionStore
 from .tokens import Tokenizers
 from .upstream import UpstreamPool
 from .wire import PATHS
@@ -28,7 +28,8 @@ class GatewayState:
 
     reloader: Reloader
     tokenizers: Tokenizers
-    sessions: SessionStore
+    sessions: SessionStore[SessionRecord]
+    snapshots: SessionStore[dict[str, Any]]
     metrics: Metrics = field(default_factory=Metrics)
     capture: Capture = field(default_factory=Capture)
     pool: UpstreamPool = field(default_factory=UpstreamPool)
@@ -81,6 +82,7 @@ def create_app(
         reloader=reloader,
         tokenizers=Tokenizers(rules.token_cache_size),
         sessions=SessionStore(rules.max_tracked_sessions),
+        snapshots=SessionStore(rules.max_tracked_sessions),
         log=log,
     )
 
@@ -120,6 +122,7 @@ def create_app(
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/readyz", handlers.readyz)
     app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_get("/admin/sessions/{session}/memory", handlers.admin_session_memory)
     for path, wire in PATHS.items():
         app.router.add_post(path, handlers.intercept(wire))
     app.router.add_route("*", "/{tail:.*}", handlers.passthrough)

@@ -7,9 +7,10 @@ what the gateway would forward. Works for every wire format. No I/O, no logging.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .carry import Message, Snapshot, build_snapshot, render_note
 from .conversation import Conversation, Unplannable
 from .errors import BadRequest, OverBudget
 from .policy import Limits, Plan, PlanRules, plan
@@ -35,6 +36,8 @@ class Decision:
     budget_tokens: int | None = None
     cache_marker_dropped: bool = False
     cache_marker_moved: bool = False
+    snapshot: Snapshot | None = None
+    note: str | None = None
     _items: list[Any] | None = None
     _msg_tokens: dict[int, int] = field(default_factory=dict)
 
@@ -141,13 +144,15 @@ def decide(
     d.budget_tokens = budget_tokens(rules, payload, model)
     d.skip_reason = wire.skip_reason(payload)
     if d.mode != "off" and d.skip_reason is None:
-        d.plan = plan(
-            d.conv,
-            plan_rules(rules, d.budget_tokens),
-            d.message_tokens,
-            overhead_tokens=d.overhead_tokens() if d.budget_tokens is not None else 0,
-            tokens_upper_bound=_bytes_bound(raw, d),
-        )
+        prules = plan_rules(rules, d.budget_tokens)
+        overhead = d.overhead_tokens() if d.budget_tokens is not None else 0
+        d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
+                      tokens_upper_bound=_bytes_bound(raw, d))
+        if d.mode == "on" and d.plan.dropped and _carry_note(d, rules, items):
+            # the note is counted into the budget: plan again with what it leaves
+            assert d.note is not None
+            d.plan = plan(d.conv, _minus_note(prules, d), d.message_tokens,
+                          overhead_tokens=overhead)
         if (
             d.mode == "on"
             and d.plan.over_budget
@@ -166,17 +171,51 @@ def decide(
         if d.cache_marker_dropped and rules.memory.eviction.move_cache_marker:
             marker_at = _end_of_stable_prefix(d.conv, d.plan)
             d.cache_marker_moved = marker_at is not None
-        d.forward = wire.build_body(payload, list(d.plan.kept), marker_at)
+        d.forward = wire.build_body(payload, list(d.plan.kept), marker_at, d.note,
+                                    _current_turn_start(d.conv) if d.note else None)
     elif d.conv.has_metadata:
         # gateway metadata is ours: upstreams never see it, whatever the mode
         d.forward = wire.build_body(payload, list(range(len(items))))
     return d
 
 
+def _carry_note(d: Decision, rules: Rules, items: list[Any]) -> bool:
+    """Build the session's snapshot and the note that carries it; True if there is one."""
+    carry, patterns = rules.memory.carry, rules.memory.carry_patterns
+    if not carry.enabled or patterns is None or d.conv is None:
+        return False
+    wire = d.wire
+    turn_of = {i: g.turn for g in d.conv.groups for i in g.indices}
+    msgs = [Message(turn_of[i], wire.item_role(items[i]), wire.item_text(items[i]))
+            for i in sorted(turn_of)]
+    d.snapshot = build_snapshot(msgs, patterns, carry)
+    d.note = render_note(d.snapshot, patterns.note, carry.max_note_chars)
+    return d.note is not None
+
+
+def _minus_note(prules: PlanRules, d: Decision) -> PlanRules:
+    assert d.note is not None
+    lim = prules.limits
+    tokens = d._scaled(d.counter.count(d.note) + 4)
+    return replace(prules, limits=Limits(
+        max_tokens=None if lim.max_tokens is None else max(1, lim.max_tokens - tokens),
+        max_chars=None if lim.max_chars is None else max(1, lim.max_chars - len(d.note)),
+        max_messages=None if lim.max_messages is None else max(1, lim.max_messages - 1),
+        max_turns=lim.max_turns,
+    ))
+
+
+def _current_turn_start(conv: Conversation | None) -> int | None:
+    if conv is None:
+        return None
+    current = [i for g in conv.groups if g.turn == conv.n_turns for i in g.indices]
+    return min(current) if current else None
+
+
 def _end_of_stable_prefix(conv: Conversation, p: Plan) -> int | None:
     """The last kept item before the current turn: the end of what stays identical."""
-    current = [i for g in conv.groups if g.turn == conv.n_turns for i in g.indices]
-    start = min(current) if current else conv.n_messages
+    start = _current_turn_start(conv)
+    start = conv.n_messages if start is None else start
     before = [i for i in p.kept if i < start]
     return before[-1] if before else None
 

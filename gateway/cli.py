@@ -172,6 +172,9 @@ def cmd_evict(args: argparse.Namespace) -> int:
         + (", over_budget=true" if p.over_budget else "")
         + (f", pinned_overflow={p.pinned_overflow}" if p.pinned_overflow else "")
     )
+    if d.note is not None and d.snapshot is not None:
+        print(f"carry-over note ({d.snapshot.count} fields) inserted before the current turn:")
+        print("  " + d.note.replace("\n", "\n  "))
     if d.mode != "on":
         print(f"mode={d.mode}: the gateway forwards the original body; "
               "MEMGATE_ENABLE_EVICTION=1 shows the evicted one")

@@ -48,6 +48,9 @@ def _write_config(src: Path | None, dst: Path, enable: bool) -> None:
     tokens = data.setdefault("tokens", {})
     if src is not None and tokens.get("models_file"):
         tokens["models_file"] = str((src.parent / tokens["models_file"]).resolve())
+    carry = memory.get("carry")
+    if src is not None and isinstance(carry, dict):
+        carry["rules_file"] = str((src.parent / carry.get("rules_file", "carry.yaml")).resolve())
     tmp = dst.with_suffix(".tmp")
     tmp.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), encoding="utf-8")
     os.replace(tmp, dst)  # atomic rename, as config management tools do

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import re
 import time
 import uuid
@@ -191,6 +192,12 @@ def _log_mem(
         fields["api"] = wire.name
     if wire.approx_tokens:
         fields["tokenizer"] = "approx"
+    if d is not None and d.note is not None and d.snapshot is not None:
+        fields["carried"] = d.snapshot.count
+        state.snapshots.put(tenant, session, d.snapshot.fields)
+        if state.rules.memory.carry.log_skipped:
+            for what, reason in d.snapshot.skipped:
+                log.info("carry_skip", session=session, field=what, reason=reason, req=rid)
     if d is not None and d.cache_marker_dropped:
         fields["cache_marker_dropped"] = True
         if d.cache_marker_moved:
@@ -265,6 +272,33 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
 async def metrics(request: web.Request) -> web.Response:
     m = request.app[STATE].metrics
     return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
+
+
+async def admin_session_memory(request: web.Request) -> web.Response:
+    """The carry-over snapshot of a session (every tenant that has one).
+
+    Needs MEMGATE_ADMIN_TOKEN in the gateway's environment and the same value in
+    the X-Memgate-Admin-Token header; without a configured token the route is off.
+    """
+    state: GatewayState = request.app[STATE]
+    token = state.reloader.env.get("MEMGATE_ADMIN_TOKEN", "")
+    given = request.headers.get("X-Memgate-Admin-Token", "")
+    if not token:
+        return web.json_response({"error": {"message": "admin API disabled: set "
+                                            "MEMGATE_ADMIN_TOKEN", "type": "gateway_error",
+                                            "code": "admin_disabled"}}, status=404)
+    if not hmac.compare_digest(token.encode(), given.encode()):
+        return web.json_response({"error": {"message": "missing or wrong X-Memgate-Admin-Token",
+                                            "type": "gateway_error", "code": "unauthorized"}},
+                                 status=401)
+    session = request.match_info["session"]
+    found = state.snapshots.find(session)
+    if not found:
+        return web.json_response({"error": {"message": f"no snapshot for session {session!r}",
+                                            "type": "gateway_error", "code": "not_found"}},
+                                 status=404)
+    return web.json_response({"session": session, "tenants": found},
+                             dumps=lambda o: orjson.dumps(o).decode())
 
 
 async def healthz(request: web.Request) -> web.Response:

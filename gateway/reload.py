@@ -60,10 +60,7 @@ class Reloader:
     def _files_of(self, rules: Rules) -> list[Path]:
         if self.config is None:
             return []
-        files = [self.config]
-        if rules.models_path:
-            files.append(Path(rules.models_path))
-        return files
+        return [self.config, *(Path(p) for p in (rules.models_path, rules.carry_path) if p)]
 
     def reload(self, reason: str) -> bool:
         """Try to load the config now; swap on success. Returns True if swapped."""

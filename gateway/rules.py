@@ -129,6 +129,7 @@ class Rules:
     default_context_window: int = 8192
     source: str = "<defaults>"
     models_path: str | None = None
+    carry_path: str | None = None
 
     def upstream_for(self, path: str, model: str | None = None) -> Upstream:
         """First upstream serving this path (and model); else the default one."""
@@ -305,11 +306,13 @@ def _keep_fields(v: Any) -> tuple[str, ...]:
     return names
 
 
-def _parse_carry(r: _Reader, data: Any, base_dir: Path) -> tuple[CarryRules, CarryPatterns | None]:
+def _parse_carry(
+    r: _Reader, data: Any, base_dir: Path
+) -> tuple[CarryRules, CarryPatterns | None, str | None]:
     c = r.section(data, "memory.carry", {"enabled", "keep_fields", "drop_when", "ref_ttl_turns",
                                          "log_skipped", "rules_file", "max_note_chars"})
     if not c:
-        return CarryRules(enabled=False), None
+        return CarryRules(enabled=False), None, None
     dw = r.section(c.get("drop_when"), "memory.carry.drop_when",
                    {"task_closed", "no_pending_reference", "small_talk_only"})
     d = CarryRules()
@@ -326,10 +329,10 @@ def _parse_carry(r: _Reader, data: Any, base_dir: Path) -> tuple[CarryRules, Car
         max_note_chars=r.get(c, k, "max_note_chars", _int(100), d.max_note_chars),
     )
     rules_file = r.get(c, k, "rules_file", _str(), "carry.yaml")
-    return rules, load_carry_patterns(base_dir / rules_file)
+    return rules, load_carry_patterns(base_dir / rules_file), str(base_dir / rules_file)
 
 
-def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> Memory:
+def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | None]:
     m = r.section(data, "memory",
                   {"enable_eviction", "shadow", "budget", "eviction", "markers", "carry"})
     b = r.section(
@@ -377,7 +380,7 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> Memory:
         system_prefix=r.get(k, "memory.markers", "system_prefix", _str(), dk.system_prefix),
         min_score=r.get(k, "memory.markers", "min_score", _float(0.0, 1.0), dk.min_score),
     )
-    carry, patterns = _parse_carry(r, m.get("carry"), base_dir)
+    carry, patterns, carry_path = _parse_carry(r, m.get("carry"), base_dir)
     return Memory(
         enable_eviction=r.get(m, "memory", "enable_eviction", _bool, False),
         shadow=r.get(m, "memory", "shadow", _bool, True),
@@ -386,7 +389,7 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> Memory:
         markers=markers,
         carry=carry,
         carry_patterns=patterns,
-    )
+    ), carry_path
 
 
 def _parse_upstreams(r: _Reader, data: Any) -> tuple[Upstream, ...]:
@@ -514,7 +517,7 @@ def build_rules(
         "",
         {"memory", "upstreams", "listen", "logging", "limits", "session", "tokens", "capture"},
     )
-    memory = _parse_memory(r, top.get("memory"), base_dir)
+    memory, carry_path = _parse_memory(r, top.get("memory"), base_dir)
     c = r.section(top.get("capture"), "capture",
                   {"enabled", "dir", "sample_rate", "max_files", "around_change"})
     dc = CaptureRules()
@@ -563,6 +566,7 @@ def build_rules(
         default_context_window=default_window,
         source=file,
         models_path=str(mpath) if mpath is not None else None,
+        carry_path=carry_path,
     )
     return rules
 

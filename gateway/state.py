@@ -13,9 +13,12 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import orjson
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,21 +37,21 @@ def fingerprint(message: Any) -> bytes:
     return hashlib.blake2b(orjson.dumps(message), digest_size=8).digest()
 
 
-class SessionStore:
-    """A bounded LRU of SessionRecord by (tenant, session)."""
+class SessionStore(Generic[T]):
+    """A bounded LRU of per-session values by (tenant, session)."""
 
     def __init__(self, max_sessions: int = 10_000) -> None:
         self.max_sessions = max_sessions
-        self._records: OrderedDict[tuple[str, str], SessionRecord] = OrderedDict()
+        self._records: OrderedDict[tuple[str, str], T] = OrderedDict()
 
-    def get(self, tenant: str, session: str) -> SessionRecord | None:
+    def get(self, tenant: str, session: str) -> T | None:
         key = (tenant, session)
         rec = self._records.get(key)
         if rec is not None:
             self._records.move_to_end(key)
         return rec
 
-    def put(self, tenant: str, session: str, rec: SessionRecord) -> None:
+    def put(self, tenant: str, session: str, rec: T) -> None:
         key = (tenant, session)
         self._records[key] = rec
         self._records.move_to_end(key)
@@ -57,6 +60,10 @@ class SessionStore:
 
     def __len__(self) -> int:
         return len(self._records)
+
+    def find(self, session: str) -> dict[str, T]:
+        """Every tenant's value for this session id (the admin view)."""
+        return {t: v for (t, s), v in self._records.items() if s == session}
 
 
 def appended(prev: SessionRecord | None, messages: Sequence[Any]) -> bool:

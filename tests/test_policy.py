@@ -176,7 +176,8 @@ def test_jq_character_definition() -> None:
 
 def golden(name: str, low_water: float = 0.6) -> Any:
     r = load_rules(ROOT / "rules" / "gateway.yaml", {"MEMGATE_ENABLE_EVICTION": "1"})
-    memory = replace(r.memory, eviction=replace(r.memory.eviction, low_water=low_water))
+    memory = replace(r.memory, eviction=replace(r.memory.eviction, low_water=low_water),
+                     carry=replace(r.memory.carry, enabled=False))  # the planner alone
     raw = (ROOT / "samples" / f"{name}.json").read_bytes()
     return decide(raw, orjson.loads(raw), replace(r, memory=memory), TOK)
 
@@ -198,7 +199,8 @@ def replay_growing(name: str, low_water: float) -> tuple[list[int], int]:
     """Replay a sample turn by turn: kept sizes and how often the forwarded prefix changed."""
     r = load_rules(ROOT / "rules" / "gateway.yaml", {"MEMGATE_ENABLE_EVICTION": "1"})
     r = replace(r, memory=replace(r.memory, eviction=replace(r.memory.eviction,
-                                                             low_water=low_water)))
+                                                             low_water=low_water),
+                                  carry=replace(r.memory.carry, enabled=False)))
     body = orjson.loads((ROOT / "samples" / f"{name}.json").read_bytes())
     sizes, changed, prev = [], 0, ()
     for end in [i for i, m in enumerate(body["messages"]) if m["role"] == "user"]:

@@ -22,8 +22,8 @@ RULES = load_rules(ROOT / "rules" / "gateway.yaml", {})
 
 def test_payload_measures_match_the_gateway() -> None:
     """Per payload: messages, chars and tokens are what the gateway's [mem] line says."""
-    report = stats.measure([str(ROOT / "samples")], RULES, simulate=False)
     files = sorted((ROOT / "samples").glob("*.json"))
+    report = stats.measure([str(f) for f in files], RULES, simulate=False)
     assert len(report.samples) == len(files) and report.skipped == []
     tok = Tokenizers(1000)
     for f, got in zip(files, report.samples, strict=True):

@@ -190,7 +190,7 @@ class _Fold:
             stale = current_turn - ref.last_turn > rules.ref_ttl_turns
             if rules.no_pending_reference and stale and ref.value not in live and not (
                     ref.value == self.output_file and "output_file" in out):
-                skipped.append((f"refs.{ref.type}:{ref.value}", "no_pending_reference"))
+                skipped.append((f"refs.{ref.type}", "no_pending_reference"))
                 continue
             refs.setdefault(ref.type, []).append(ref.value)
         if self.resolved:

@@ -145,6 +145,17 @@ class AnthropicMessages(Wire):
     def fixed_chars(self, payload: dict[str, Any]) -> int:
         return content_chars(payload.get("system"))
 
+    def item_role(self, item: Any) -> str:
+        role = item.get("role") if isinstance(item, dict) else None
+        if role == "user" and tool_ids(item.get("content"), "tool_result", "tool_use_id"):
+            return "tool"
+        return role if role in ("user", "assistant") else "system"
+
+    def note_item(self, note: str) -> dict[str, Any]:
+        # no system role inside messages: the note is a user message of its own, which
+        # the API merges with the current turn's user message that follows it
+        return {"role": "user", "content": [{"type": "text", "text": note}]}
+
     def has_cache_marker(self, item: Any) -> bool:
         return isinstance(item, dict) and any(
             "cache_control" in b for b in _blocks(item.get("content"))

@@ -46,6 +46,20 @@ class Wire:
         """Characters of the always-kept part outside the item list (e.g. `system`)."""
         return 0
 
+    def item_role(self, item: Any) -> str:
+        """user | assistant | tool | system, as the carry-over reads a conversation."""
+        role = item.get("role") if isinstance(item, dict) else None
+        return role if role in ("user", "assistant", "tool") else "system"
+
+    def item_text(self, item: Any) -> str:
+        """The plain text of an item (text parts joined), for the carry-over."""
+        content = item.get("content") if isinstance(item, dict) else None
+        return text_of(content)
+
+    def note_item(self, note: str) -> dict[str, Any]:
+        """The carry-over note as an item of this API, placed before the current turn."""
+        return {"role": "system", "content": note}
+
     def has_cache_marker(self, item: Any) -> bool:
         """Does this item carry a provider prompt-cache breakpoint (`cache_control`)?"""
         return False
@@ -55,13 +69,17 @@ class Wire:
         return item
 
     def build_body(
-        self, payload: dict[str, Any], kept: list[int], marker_at: int | None = None
+        self, payload: dict[str, Any], kept: list[int], marker_at: int | None = None,
+        note: str | None = None, note_before: int | None = None,
     ) -> bytes:
         """The original body with only `kept` items, gateway metadata stripped;
-        `marker_at` (an index in kept) gets a cache breakpoint moved onto it."""
+        `marker_at` (an index in kept) gets a cache breakpoint moved onto it; `note`
+        goes right before item `note_before` (the current turn), after the stable prefix."""
         items = payload[self.items_key]
         out = []
         for i in kept:
+            if note is not None and i == note_before:
+                out.append(self.note_item(note))
             m = items[i]
             if isinstance(m, dict) and META_KEY in m:
                 m = {k: v for k, v in m.items() if k != META_KEY}
@@ -69,6 +87,21 @@ class Wire:
                 m = self.with_cache_marker(m)
             out.append(m)
         return orjson.dumps({**payload, self.items_key: out})
+
+
+def text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, dict):
+                if isinstance(p.get("text"), str):
+                    parts.append(p["text"])
+                elif p.get("type") == "tool_result":
+                    parts.append(text_of(p.get("content")))
+        return "\n".join(parts)
+    return ""
 
 
 def json_text(value: Any) -> str:

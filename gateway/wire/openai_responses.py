@@ -24,7 +24,7 @@ from ..conversation import (
     read_metadata,
 )
 from ..tokens import PER_MEDIA_PART, PER_MESSAGE, REPLY_PRIMING, TokenCounter
-from .base import META_KEY, Wire, json_text
+from .base import META_KEY, Wire, json_text, text_of
 
 CALLS = frozenset(("function_call", "custom_tool_call", "computer_call", "local_shell_call"))
 OUTPUTS = frozenset(
@@ -185,6 +185,20 @@ class OpenAIResponses(Wire):
 
     def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
         return parse(items, prefix, min_score)
+
+    def item_role(self, item: Any) -> str:
+        t = item_type(item) if isinstance(item, dict) else None
+        if t == "message":
+            role = item.get("role")
+            return role if role in ("user", "assistant") else "system"
+        return "tool" if t in OUTPUTS else "assistant"
+
+    def item_text(self, item: Any) -> str:
+        content = _text_of(item) if isinstance(item, dict) else None
+        return content if isinstance(content, str) else text_of(content)
+
+    def note_item(self, note: str) -> dict[str, Any]:
+        return {"type": "message", "role": "developer", "content": note}
 
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
         n = PER_MESSAGE + 1 + _content_tokens(_text_of(item), counter)
