@@ -80,6 +80,21 @@ def _first_clause(text: str) -> str:
     return re.split(r"[，,。；;.!！]", text.strip(), maxsplit=1)[0].strip()[:120]
 
 
+def _refs_in(p: CarryPatterns, text: str) -> list[tuple[str, str]]:
+    """(type, value) in text order; a span already taken by an earlier pattern (a path)
+    is not matched again by a later one (a service name inside that path)."""
+    taken: list[tuple[int, int]] = []
+    found: list[tuple[int, str, str]] = []
+    for rtype, pat in p.refs:
+        for mt in pat.finditer(text):
+            a, b = mt.span()
+            if any(a < y and x < b for x, y in taken):
+                continue
+            taken.append((a, b))
+            found.append((a, rtype, mt.group(0)))
+    return [(t, v) for _, t, v in sorted(found)]
+
+
 class _Fold:
     def __init__(self, p: CarryPatterns) -> None:
         self.p = p
@@ -148,7 +163,7 @@ class _Fold:
                 for match in d.pattern.finditer(text):
                     if self._resolve(d, match.group(0), m.turn):
                         resolved_now.append(match.group(0))
-        found = [(rtype, mt.group(0)) for rtype, pat in p.refs for mt in pat.finditer(text)]
+        found = _refs_in(p, text)
         for rtype, value in found:
             self._mention(rtype, value, m.turn)
         files = [v for t, v in found if t == "file"]
@@ -159,7 +174,7 @@ class _Fold:
                 self.task_state = "in_progress"
             elif p.create.search(text) and (found or resolved_now):
                 self.task_state = "created"
-            if files and (p.output_verbs.search(text) or self.task_state == "created"):
+            if files and p.output_verbs.search(text):
                 self.output_file = files[-1]
         elif m.role == "assistant":
             if p.ask.search(text) and self.task_state in ("created", "in_progress"):

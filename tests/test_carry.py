@@ -1,0 +1,150 @@
+"""Long-memory carry-over: the seed cases, a labelled set, the note through the gateway."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.carry import Message, build_snapshot
+from gateway.mock_upstream import RECORD, create_mock_app
+from gateway.rules import load_rules
+
+from .carry_labelled import labelled_sessions
+from .conftest import SECRET, GatewayFactory, Upstream
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = load_rules(ROOT / "rules" / "gateway.yaml", {})
+CASES = sorted(p.stem for p in (ROOT / "samples" / "carry").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_seed_cases_replay_and_self_check(case: str) -> None:
+    """memgate replay expect passes every seed case, and catches every corrupted expectation."""
+    res = subprocess.run(
+        [sys.executable, "-m", "gateway", "replay", "expect", f"samples/carry/{case}.jsonl",
+         f"samples/carry/{case}.expect.yaml", "--self-check"],
+        cwd=ROOT, capture_output=True, text=True, check=False, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert " FAIL" not in res.stdout and "NOT CAUGHT" not in res.stdout
+    assert res.stdout.count("caught") == res.stdout.count(" OK") > 0
+
+
+def test_replay_expect_reports_a_wrong_expectation(tmp_path: Path) -> None:
+    """A wrong expectation prints turn N key FAIL got=... want=... and exits 1."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("3:\n  must_contain:\n    resolved_refs.刚才那个路径: /data/refunds\n")
+    res = subprocess.run(
+        [sys.executable, "-m", "gateway", "replay", "expect", "samples/carry/case_a_zh.jsonl",
+         str(bad)], cwd=ROOT, capture_output=True, text=True, check=False, timeout=60)
+    assert res.returncode == 1
+    assert "turn 3 resolved_refs.刚才那个路径 FAIL got='/data/orders' want='/data/refunds'" in (
+        res.stdout)
+
+
+def test_labelled_sessions_quality() -> None:
+    """Reference resolution accuracy and snapshot precision/recall on the labelled set."""
+    sessions = labelled_sessions()
+    assert len(sessions) >= 40
+    patterns, carry = RULES.memory.carry_patterns, RULES.memory.carry
+    assert patterns is not None
+    resolved_ok = resolved_total = tp = fp = fn = 0
+    for s in sessions:
+        snap = build_snapshot([Message(*m) for m in s["messages"]], patterns, carry)
+        for phrase, want in s["resolve"].items():
+            resolved_total += 1
+            resolved_ok += snap.get(f"resolved_refs.{phrase}") == want
+        got = set(snap.fields)
+        want_keys = set(s["keep"])
+        tp += len(got & want_keys)
+        fp += len(got - want_keys)
+        fn += len(want_keys - got)
+    accuracy = resolved_ok / resolved_total
+    precision, recall = tp / max(1, tp + fp), tp / max(1, tp + fn)
+    print(f"resolution accuracy {accuracy:.3f} ({resolved_ok}/{resolved_total}); "
+          f"snapshot precision {precision:.3f} recall {recall:.3f}")
+    assert accuracy >= 0.9 and precision >= 0.9 and recall >= 0.9
+
+
+def long_session(turns: int = 25) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a data assistant."},
+        {"role": "user", "content": "Summarize last week's orders in /data/orders by status "
+                                    "and write it to report_0421.csv"},
+        {"role": "assistant", "content": "Grouping by status. Should I exclude cancelled orders?"},
+        {"role": "user", "content": "Don't exclude them, run it on that path."},
+        {"role": "assistant", "content": "Running the summary now."},
+    ]
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"Status check {t}: " + "any news? " * 40})
+        msgs.append({"role": "assistant", "content": f"Still running, step {t}. " * 20})
+    msgs.append({"role": "user", "content": "Remind me: what is that path and the output file?"})
+    return msgs
+
+
+async def test_note_carries_evicted_facts_end_to_end(
+    gateway: GatewayFactory, aiohttp_server: Any
+) -> None:
+    """Early path and constraint evicted under a small budget: the upstream body still carries
+    them in the note before the current turn, and an upstream answering from its input gets
+    them right; without carry-over it cannot."""
+    mock = await aiohttp_server(create_mock_app())
+    url = str(mock.make_url("")).rstrip("/")
+    budget = {"max_tokens": 1500, "max_chars": None, "max_messages": None, "max_turns": None}
+    carry = {"enabled": True, "rules_file": str(ROOT / "rules" / "carry.yaml"),
+             "keep_fields": ["task_state", "resolved_refs", "confirmed_constraints",
+                             "output_file", "dropped_candidates"]}
+    body = {"model": "gpt-4o-mini", "messages": long_session()}
+    answers = {}
+    for enabled in (True, False):
+        gw = await gateway(upstream_url=url,
+                           memory={"enable_eviction": True, "budget": budget,
+                                   "carry": {**carry, "enabled": enabled}})
+        async with aiohttp.ClientSession() as s, s.post(
+            f"{gw.url}/v1/chat/completions", data=orjson.dumps(body),
+            headers={"Authorization": f"Bearer {SECRET}", "X-Session-Id": "s-carry"},
+        ) as r:
+            answers[enabled] = (await r.json())["choices"][0]["message"]["content"]
+        ev = gw.mem_events()[-1]
+        assert int(ev["dropped"]) > 0
+        if enabled:
+            fwd = mock.app[RECORD][-1]["body"]
+            note = fwd["messages"][-2]
+            assert note["role"] == "system" and note["content"].startswith("[memgate memory]")
+            assert "/data/orders" in note["content"] and "report_0421.csv" in note["content"]
+            assert "Don't exclude them" in note["content"]
+            assert fwd["messages"][1]["content"] != body["messages"][1]["content"]  # evicted
+            assert ev["carried"] == "4"
+    assert "/data/orders" in answers[True] and "report_0421.csv" in answers[True]
+    assert "/data/orders" not in answers[False]
+
+
+async def test_admin_snapshot_view_needs_the_token(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """GET /admin/sessions/{id}/memory: 404 without a configured token, 401 with a wrong one,
+    the snapshot with the right one."""
+    budget = {"max_tokens": 1500, "max_chars": None, "max_messages": None, "max_turns": None}
+    carry = {"enabled": True, "rules_file": str(ROOT / "rules" / "carry.yaml")}
+    gw = await gateway(memory={"enable_eviction": True, "budget": budget, "carry": carry},
+                       env={"MEMGATE_ADMIN_TOKEN": "adm-123"})
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{gw.url}/v1/chat/completions",
+                          data=orjson.dumps({"model": "gpt-4o-mini", "messages": long_session()}),
+                          headers={"Authorization": f"Bearer {SECRET}",
+                                   "X-Session-Id": "s-admin"}) as r:
+            assert r.status == 200
+        url = f"{gw.url}/admin/sessions/s-admin/memory"
+        async with s.get(url, headers={"X-Memgate-Admin-Token": "wrong"}) as r:
+            assert r.status == 401
+        async with s.get(url, headers={"X-Memgate-Admin-Token": "adm-123"}) as r:
+            data = await r.json()
+            assert r.status == 200
+            (snap,) = data["tenants"].values()
+            assert snap["resolved_refs"]["that path"] == "/data/orders"
+            assert SECRET not in str(data)
