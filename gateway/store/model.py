@@ -1,0 +1,264 @@
+"""Memory records, filters and their exact semantics, shared by every backend.
+
+Records come in three kinds (granularities): `session`, `turn`, `message`.
+Timestamps must be timezone-aware ISO 8601 and are stored in UTC (microseconds
+since the epoch, so boundaries compare exactly). Chinese (and other CJK) text is
+indexed as overlapping character bigrams, so a full-text index built for
+space-separated words finds "预算" inside "预算10万".
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+KINDS = ("session", "turn", "message")
+Boundary = Literal["closed", "half_open"]
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+class StoreError(ValueError):
+    """A request the store refuses: status and a precise message for the client."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.status = message, status
+
+
+@dataclass(frozen=True, slots=True)
+class StoreRules:
+    backend: Literal["sqlite", "postgres"] = "sqlite"
+    path: str = "var/memgate.db"  # sqlite file
+    dsn_env: str = "MEMGATE_STORE_DSN"  # postgres DSN comes from this env var
+    write_granularity: Literal["turn", "message", "session"] = "turn"
+    session_scope: Literal["current", "cross_session"] = "current"
+    time_boundary: Boundary = "half_open"
+    default_time_window_s: int = 7 * 86400
+    search_top_k: int = 5
+    max_chars_per_record: int = 8000
+    on_overlong: Literal["truncate", "reject"] = "truncate"
+    archive: Literal["off", "evicted", "all"] = "off"
+    recall_enabled: bool = False
+    recall_top_k: int = 3
+    recall_scope: Literal["current", "cross_session"] = "current"
+
+
+def parse_window(v: str) -> int:
+    m = re.fullmatch(r"(\d+)\s*([smhdw])", v.strip())
+    if not m:
+        raise ValueError(f"must look like 30m, 12h, 7d or 2w, got {v!r}")
+    return int(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[m.group(2)]
+
+
+def parse_ts(value: Any, key: str) -> int:
+    """ISO 8601 with a timezone -> microseconds since the epoch (UTC)."""
+    if not isinstance(value, str):
+        raise StoreError(f"{key}: must be an ISO 8601 timestamp string")
+    try:
+        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise StoreError(f"{key}: not an ISO 8601 timestamp: {value!r}") from None
+    if dt.tzinfo is None:
+        raise StoreError(f"{key}: timestamp without a timezone: {value!r} "
+                         "(add Z or an offset such as +08:00)")
+    return int((dt - datetime(1970, 1, 1, tzinfo=UTC)) / timedelta(microseconds=1))
+
+
+def format_ts(us: int) -> str:
+    return (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=us)).isoformat()
+
+
+def now_us() -> int:
+    return int((datetime.now(UTC) - datetime(1970, 1, 1, tzinfo=UTC)) / timedelta(microseconds=1))
+
+
+def index_text(text: str) -> str:
+    """Words as they are, CJK runs as overlapping bigrams (single characters stay)."""
+    out: list[str] = []
+    pos = 0
+    for m in _CJK.finditer(text):
+        out.extend(_WORD.findall(text[pos:m.start()]))
+        run = m.group(0)
+        out.extend([run] if len(run) == 1 else [run[i:i + 2] for i in range(len(run) - 1)])
+        pos = m.end()
+    out.extend(_WORD.findall(text[pos:]))
+    return " ".join(w.lower() for w in out)
+
+
+def query_terms(query: str) -> list[str]:
+    return list(dict.fromkeys(index_text(query).split()))
+
+
+@dataclass(slots=True)
+class Record:
+    memory_id: str
+    tenant: str
+    agent_id: str
+    memory_type: str
+    session_id: str
+    ts: int
+    text: str
+    tags: list[str]
+    fields: dict[str, Any]
+    ts_end: int | None = None
+    truncated: bool = False
+    original_chars: int | None = None
+
+    def public(self, score: float | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "memory_id": self.memory_id, "memory_type": self.memory_type,
+            "agent_id": self.agent_id, "session_id": self.session_id,
+            "ts": format_ts(self.ts), "tags": self.tags, "text": self.text,
+            **self.fields,
+        }
+        if self.ts_end is not None:
+            out["end_ts"] = format_ts(self.ts_end)
+        if self.truncated:
+            out.update(truncated=True, original_chars=self.original_chars)
+        if score is not None:
+            out["score"] = round(score, 6)
+        return out
+
+
+def _str(body: dict[str, Any], key: str, required: bool = True) -> str | None:
+    v = body.get(key)
+    if v is None and not required:
+        return None
+    if not isinstance(v, str) or not v:
+        raise StoreError(f"{key}: required, a non-empty string")
+    return v
+
+
+def build_record(body: Any, tenant: str, rules: StoreRules) -> Record:
+    """Validate a write request into a Record (the tenant never comes from the body)."""
+    if not isinstance(body, dict):
+        raise StoreError("body must be a JSON object")
+    kind = body.get("memory_type") or body.get("kind") or rules.write_granularity
+    if kind not in KINDS:
+        raise StoreError(f"memory_type: must be one of {', '.join(KINDS)}, got {kind!r}")
+    tags = body.get("tags") or []
+    if not isinstance(tags, list) or not all(isinstance(t, str) and t for t in tags):
+        raise StoreError("tags: must be a list of non-empty strings")
+    agent = _str(body, "agent_id") or ""
+    session = _str(body, "session_id") or ""
+    fields: dict[str, Any] = {}
+    ts_end = None
+    if kind == "session":
+        ts = parse_ts(body.get("start_ts"), "start_ts")
+        ts_end = parse_ts(body.get("end_ts"), "end_ts")
+        if ts_end < ts:
+            raise StoreError("end_ts: earlier than start_ts")
+        text = _str(body, "summary") or ""
+        fields["summary"] = text
+        ref = body.get("raw_messages_ref")
+        if ref is not None:
+            fields["raw_messages_ref"] = str(ref)
+    elif kind == "turn":
+        ts = parse_ts(body.get("ts"), "ts")
+        user = body.get("user_text") or ""
+        assistant = body.get("assistant_text") or ""
+        if not isinstance(user, str) or not isinstance(assistant, str) or not (user or assistant):
+            raise StoreError("a turn needs user_text and/or assistant_text (strings)")
+        fields.update(turn_id=str(body.get("turn_id") or ""), user_text=user,
+                      assistant_text=assistant)
+        text = f"{user}\n{assistant}".strip()
+    else:
+        ts = parse_ts(body.get("ts"), "ts")
+        text = _str(body, "text") or ""
+        role = body.get("role", "user")
+        if role not in ("user", "assistant", "system", "tool"):
+            raise StoreError(f"role: must be user, assistant, system or tool, got {role!r}")
+        fields.update(message_id=str(body.get("message_id") or ""),
+                      turn_id=str(body.get("turn_id") or ""), role=role)
+    rec = Record(memory_id=str(body.get("memory_id") or uuid.uuid4().hex), tenant=tenant,
+                 agent_id=agent, memory_type=kind, session_id=session, ts=ts, text=text,
+                 tags=list(dict.fromkeys(tags)), fields=fields, ts_end=ts_end)
+    limit = rules.max_chars_per_record
+    if len(text) > limit:
+        if rules.on_overlong == "reject":
+            raise StoreError(f"record text is {len(text)} characters; the limit is {limit} "
+                             "(store.max_chars_per_record, on_overlong: reject)", status=413)
+        rec.original_chars, rec.truncated, rec.text = len(text), True, text[:limit]
+        for k in ("user_text", "assistant_text", "summary"):
+            if k in rec.fields:
+                rec.fields[k] = rec.fields[k][:limit]
+    return rec
+
+
+@dataclass(slots=True)
+class Filter:
+    """A validated search: every condition the results must satisfy."""
+
+    tenant: str
+    agent_id: str | None
+    session_id: str | None  # None = cross-session (asked for explicitly)
+    time_from: int
+    time_to: int
+    boundary: Boundary
+    tags: list[str] = field(default_factory=list)
+    memory_type: str | None = None
+    query: str = ""
+    top_k: int = 5
+
+    def matches(self, r: Record) -> bool:
+        """The filter's semantics, exactly (backends must agree with this)."""
+        in_time = self.time_from <= r.ts and (
+            r.ts <= self.time_to if self.boundary == "closed" else r.ts < self.time_to)
+        return (
+            r.tenant == self.tenant
+            and (self.agent_id is None or r.agent_id == self.agent_id)
+            and (self.session_id is None or r.session_id == self.session_id)
+            and in_time
+            and (not self.tags or bool(set(self.tags) & set(r.tags)))
+            and (self.memory_type is None or r.memory_type == self.memory_type)
+        )
+
+
+def build_filter(body: Any, tenant: str, rules: StoreRules, now: int | None = None) -> Filter:
+    if not isinstance(body, dict):
+        raise StoreError("body must be a JSON object")
+    f = body.get("filter") or {}
+    if not isinstance(f, dict):
+        raise StoreError("filter: must be an object")
+    scope = body.get("scope", rules.session_scope)
+    if scope not in ("current", "cross_session"):
+        raise StoreError("scope: must be current or cross_session")
+    session = f.get("session_id")
+    if session is None and scope != "cross_session":
+        raise StoreError("filter.session_id is required; cross-session search must be asked "
+                         'for explicitly with "scope": "cross_session"')
+    if session is not None and (not isinstance(session, str) or not session):
+        raise StoreError("filter.session_id: must be a non-empty string or null")
+    now = now_us() if now is None else now
+    has_from, has_to = f.get("time_from") is not None, f.get("time_to") is not None
+    if not has_from and not has_to:
+        t_from, t_to = now - rules.default_time_window_s * 1_000_000, now
+        boundary: Boundary = "closed"  # the default window includes "now"
+    else:
+        t_from = parse_ts(f["time_from"], "filter.time_from") if has_from else -(1 << 62)
+        t_to = parse_ts(f["time_to"], "filter.time_to") if has_to else 1 << 62
+        boundary = rules.time_boundary
+        if t_to < t_from:
+            raise StoreError("filter.time_to is earlier than filter.time_from")
+    tags = f.get("tags") or []
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise StoreError("filter.tags: must be a list of strings")
+    mtype = f.get("memory_type")
+    if mtype is not None and mtype not in KINDS:
+        raise StoreError(f"filter.memory_type: must be one of {', '.join(KINDS)}")
+    top_k = body.get("top_k", rules.search_top_k)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 100:
+        raise StoreError("top_k: must be an integer between 1 and 100")
+    query = body.get("query") or ""
+    if not isinstance(query, str):
+        raise StoreError("query: must be a string")
+    agent = f.get("agent_id")
+    if agent is not None and not isinstance(agent, str):
+        raise StoreError("filter.agent_id: must be a string")
+    return Filter(tenant=tenant, agent_id=agent, session_id=session, time_from=t_from,
+                  time_to=t_to, boundary=boundary, tags=tags, memory_type=mtype, query=query,
+                  top_k=top_k)

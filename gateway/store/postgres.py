@@ -1,0 +1,124 @@
+"""PostgreSQL backend (asyncpg) for replicas sharing one store: same records, same
+filter semantics, `tsvector` full text over the same CJK-bigram index text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from .model import Filter, Record, StoreError, index_text, query_terms
+from .schema import SCHEMA_VERSION
+
+MIGRATIONS: dict[int, list[str]] = {
+    1: [
+        """CREATE TABLE memgate_memories (
+            memory_id text PRIMARY KEY,
+            tenant text NOT NULL, agent_id text NOT NULL, memory_type text NOT NULL,
+            session_id text NOT NULL, ts bigint NOT NULL, ts_end bigint,
+            text text NOT NULL, tags text[] NOT NULL, fields jsonb NOT NULL,
+            truncated boolean NOT NULL DEFAULT false, original_chars integer,
+            fts tsvector NOT NULL)""",
+        "CREATE INDEX memgate_memories_scope ON memgate_memories (tenant, session_id, ts)",
+        "CREATE INDEX memgate_memories_time ON memgate_memories (tenant, ts)",
+        "CREATE INDEX memgate_memories_fts ON memgate_memories USING gin (fts)",
+        "CREATE INDEX memgate_memories_tags ON memgate_memories USING gin (tags)",
+    ],
+}
+COLUMNS = ("memory_id, tenant, agent_id, memory_type, session_id, ts, ts_end, text, tags, "
+           "fields, truncated, original_chars")
+
+
+def _row(r: Any) -> Record:
+    return Record(memory_id=r[0], tenant=r[1], agent_id=r[2], memory_type=r[3],
+                  session_id=r[4], ts=r[5], ts_end=r[6], text=r[7], tags=list(r[8]),
+                  fields=orjson.loads(r[9]), truncated=r[10], original_chars=r[11])
+
+
+class PostgresStore:
+    backend = "postgres"
+
+    def __init__(self, dsn: str, search_path: str | None = None) -> None:
+        self.dsn = dsn
+        self.search_path = search_path
+        self._pool: Any = None
+
+    async def open(self) -> None:
+        import asyncpg
+
+        settings = {"search_path": self.search_path} if self.search_path else None
+        self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=10,
+                                               server_settings=settings)
+        async with self._pool.acquire() as c, c.transaction():
+            await c.execute("SELECT pg_advisory_xact_lock(727272)")  # one migrator at a time
+            await c.execute("CREATE TABLE IF NOT EXISTS memgate_schema (version integer NOT NULL)")
+            version = await c.fetchval("SELECT version FROM memgate_schema") or 0
+            if version > SCHEMA_VERSION:
+                raise StoreError(f"schema version {version} is newer than this memgate "
+                                 f"understands ({SCHEMA_VERSION}); upgrade memgate", status=500)
+            for v in range(version + 1, SCHEMA_VERSION + 1):
+                for stmt in MIGRATIONS[v]:
+                    await c.execute(stmt)
+            if version == 0:
+                await c.execute("INSERT INTO memgate_schema VALUES ($1)", SCHEMA_VERSION)
+            elif version < SCHEMA_VERSION:
+                await c.execute("UPDATE memgate_schema SET version = $1", SCHEMA_VERSION)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
+
+    async def write(self, records: list[Record]) -> int:
+        n = 0
+        async with self._pool.acquire() as c, c.transaction():
+            for r in records:
+                status = await c.execute(
+                    f"INSERT INTO memgate_memories ({COLUMNS}, fts) VALUES "
+                    "($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12, to_tsvector('simple', $13)) "
+                    "ON CONFLICT (memory_id) DO NOTHING",
+                    r.memory_id, r.tenant, r.agent_id, r.memory_type, r.session_id, r.ts,
+                    r.ts_end, r.text, r.tags, orjson.dumps(r.fields).decode(), r.truncated,
+                    r.original_chars, index_text(r.text))
+                n += status.endswith(" 1")
+        return n
+
+    async def get(self, tenant: str, memory_id: str) -> Record | None:
+        row = await self._pool.fetchrow(
+            f"SELECT {COLUMNS} FROM memgate_memories WHERE tenant = $1 AND memory_id = $2",
+            tenant, memory_id)
+        return _row(row) if row else None
+
+    async def delete(self, tenant: str, memory_id: str) -> bool:
+        status = await self._pool.execute(
+            "DELETE FROM memgate_memories WHERE tenant = $1 AND memory_id = $2", tenant, memory_id)
+        return bool(status.endswith(" 1"))
+
+    async def search(self, f: Filter) -> list[tuple[Record, float]]:
+        args: list[Any] = [f.tenant, f.time_from, f.time_to]
+        where = ["tenant = $1", "ts >= $2", "ts <= $3" if f.boundary == "closed" else "ts < $3"]
+
+        def add(cond: str, value: Any) -> None:
+            args.append(value)
+            where.append(cond.replace("?", f"${len(args)}"))
+
+        if f.agent_id is not None:
+            add("agent_id = ?", f.agent_id)
+        if f.session_id is not None:
+            add("session_id = ?", f.session_id)
+        if f.memory_type is not None:
+            add("memory_type = ?", f.memory_type)
+        if f.tags:
+            add("tags && ?::text[]", f.tags)
+        terms = query_terms(f.query)
+        if terms:
+            add("fts @@ to_tsquery('simple', ?)", " | ".join(f"'{t}'" for t in terms))
+            q = f"${len(args)}"
+            sql = (f"SELECT {COLUMNS}, ts_rank(fts, to_tsquery('simple', {q})) AS score "
+                   f"FROM memgate_memories WHERE {' AND '.join(where)} "
+                   f"ORDER BY score DESC, ts DESC LIMIT {int(f.top_k)}")
+            rows = await self._pool.fetch(sql, *args)
+            return [(_row(r), float(r["score"])) for r in rows]
+        sql = (f"SELECT {COLUMNS} FROM memgate_memories WHERE {' AND '.join(where)} "
+               f"ORDER BY ts DESC LIMIT {int(f.top_k)}")
+        return [(_row(r), 0.0) for r in await self._pool.fetch(sql, *args)]

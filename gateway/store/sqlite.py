@@ -1,0 +1,171 @@
+"""SQLite backend: the embedded default (one file, WAL), FTS5 BM25 for `query`."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .model import Filter, Record, StoreError, query_terms
+from .schema import SCHEMA_VERSION
+
+MIGRATIONS: dict[int, list[str]] = {
+    1: [
+        """CREATE TABLE memories (
+            rowid INTEGER PRIMARY KEY,
+            memory_id TEXT UNIQUE NOT NULL,
+            tenant TEXT NOT NULL, agent_id TEXT NOT NULL, memory_type TEXT NOT NULL,
+            session_id TEXT NOT NULL, ts INTEGER NOT NULL, ts_end INTEGER,
+            text TEXT NOT NULL, tags TEXT NOT NULL, fields TEXT NOT NULL,
+            truncated INTEGER NOT NULL DEFAULT 0, original_chars INTEGER)""",
+        "CREATE INDEX memories_scope ON memories (tenant, session_id, ts)",
+        "CREATE INDEX memories_time ON memories (tenant, ts)",
+        """CREATE TABLE memory_tags (memory_id TEXT NOT NULL, tenant TEXT NOT NULL,
+            tag TEXT NOT NULL, PRIMARY KEY (memory_id, tag))""",
+        "CREATE INDEX memory_tags_tag ON memory_tags (tenant, tag)",
+        "CREATE VIRTUAL TABLE memories_fts USING fts5(body)",
+    ],
+}
+COLUMNS = ("memory_id, tenant, agent_id, memory_type, session_id, ts, ts_end, text, tags, "
+           "fields, truncated, original_chars")
+
+
+def _row(r: tuple[Any, ...]) -> Record:
+    return Record(memory_id=r[0], tenant=r[1], agent_id=r[2], memory_type=r[3],
+                  session_id=r[4], ts=r[5], ts_end=r[6], text=r[7], tags=orjson.loads(r[8]),
+                  fields=orjson.loads(r[9]), truncated=bool(r[10]), original_chars=r[11])
+
+
+class SqliteStore:
+    backend = "sqlite"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+
+    async def open(self) -> None:
+        await asyncio.to_thread(self._open)
+
+    def _open(self) -> None:
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        row = db.execute("SELECT version FROM schema_version").fetchone()
+        version = row[0] if row else 0
+        if version > SCHEMA_VERSION:
+            db.close()
+            raise StoreError(f"{self.path}: schema version {version} is newer than this memgate "
+                             f"understands ({SCHEMA_VERSION}); upgrade memgate", status=500)
+        with db:
+            db.execute("BEGIN")
+            for v in range(version + 1, SCHEMA_VERSION + 1):
+                for stmt in MIGRATIONS[v]:
+                    db.execute(stmt)
+            if version == 0:
+                db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
+            else:
+                db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+        self._db = db
+
+    async def close(self) -> None:
+        if self._db is not None:
+            db, self._db = self._db, None
+            await asyncio.to_thread(db.close)
+
+    def _run(self, fn: Any, *args: Any) -> Any:
+        assert self._db is not None, "store not opened"
+        with self._lock:
+            return fn(self._db, *args)
+
+    async def write(self, records: list[Record]) -> int:
+        """Insert records; an existing memory_id is left as it is (idempotent archiving)."""
+        return int(await asyncio.to_thread(self._run, _write, records))
+
+    async def get(self, tenant: str, memory_id: str) -> Record | None:
+        rec: Record | None = await asyncio.to_thread(self._run, _get, tenant, memory_id)
+        return rec
+
+    async def delete(self, tenant: str, memory_id: str) -> bool:
+        return bool(await asyncio.to_thread(self._run, _delete, tenant, memory_id))
+
+    async def search(self, f: Filter) -> list[tuple[Record, float]]:
+        out: list[tuple[Record, float]] = await asyncio.to_thread(self._run, _search, f)
+        return out
+
+
+def _write(db: sqlite3.Connection, records: list[Record]) -> int:
+    from .model import index_text
+
+    n = 0
+    with db:
+        db.execute("BEGIN")
+        for r in records:
+            cur = db.execute(
+                f"INSERT OR IGNORE INTO memories ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (r.memory_id, r.tenant, r.agent_id, r.memory_type, r.session_id, r.ts, r.ts_end,
+                 r.text, orjson.dumps(r.tags).decode(), orjson.dumps(r.fields).decode(),
+                 int(r.truncated), r.original_chars))
+            if cur.rowcount:
+                n += 1
+                db.execute("INSERT INTO memories_fts (rowid, body) VALUES (?, ?)",
+                           (cur.lastrowid, index_text(r.text)))
+                db.executemany("INSERT OR IGNORE INTO memory_tags VALUES (?, ?, ?)",
+                               [(r.memory_id, r.tenant, t) for t in r.tags])
+    return n
+
+
+def _get(db: sqlite3.Connection, tenant: str, memory_id: str) -> Record | None:
+    row = db.execute(f"SELECT {COLUMNS} FROM memories WHERE tenant = ? AND memory_id = ?",
+                     (tenant, memory_id)).fetchone()
+    return _row(row) if row else None
+
+
+def _delete(db: sqlite3.Connection, tenant: str, memory_id: str) -> int:
+    with db:
+        db.execute("BEGIN")
+        row = db.execute("SELECT rowid FROM memories WHERE tenant = ? AND memory_id = ?",
+                         (tenant, memory_id)).fetchone()
+        if not row:
+            return 0
+        db.execute("DELETE FROM memories_fts WHERE rowid = ?", (row[0],))
+        db.execute("DELETE FROM memory_tags WHERE memory_id = ?", (memory_id,))
+        db.execute("DELETE FROM memories WHERE rowid = ?", (row[0],))
+    return 1
+
+
+def _search(db: sqlite3.Connection, f: Filter) -> list[tuple[Record, float]]:
+    where = ["m.tenant = ?", "m.ts >= ?", "m.ts <= ?" if f.boundary == "closed" else "m.ts < ?"]
+    args: list[Any] = [f.tenant, f.time_from, f.time_to]
+    if f.agent_id is not None:
+        where.append("m.agent_id = ?")
+        args.append(f.agent_id)
+    if f.session_id is not None:
+        where.append("m.session_id = ?")
+        args.append(f.session_id)
+    if f.memory_type is not None:
+        where.append("m.memory_type = ?")
+        args.append(f.memory_type)
+    if f.tags:
+        where.append("EXISTS (SELECT 1 FROM memory_tags t WHERE t.memory_id = m.memory_id "
+                     f"AND t.tag IN ({','.join('?' * len(f.tags))}))")
+        args.extend(f.tags)
+    cols = ", ".join(f"m.{c.strip()}" for c in COLUMNS.split(","))
+    terms = query_terms(f.query)
+    if terms:
+        match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
+        sql = (f"SELECT {cols}, bm25(memories_fts) FROM memories_fts "
+               f"JOIN memories m ON m.rowid = memories_fts.rowid "
+               f"WHERE memories_fts MATCH ? AND {' AND '.join(where)} "
+               f"ORDER BY bm25(memories_fts), m.ts DESC LIMIT ?")
+        rows = db.execute(sql, [match, *args, f.top_k]).fetchall()
+        return [(_row(r[:12]), -float(r[12])) for r in rows]
+    sql = f"SELECT {cols} FROM memories m WHERE {' AND '.join(where)} ORDER BY m.ts DESC LIMIT ?"
+    return [(_row(r), 0.0) for r in db.execute(sql, [*args, f.top_k]).fetchall()]

@@ -1,0 +1,231 @@
+"""The memory store, the same tests against SQLite (embedded) and PostgreSQL (scale-out)."""
+
+from __future__ import annotations
+
+import os
+import random
+import sqlite3
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.store import Store, StoreError, StoreRules, build_filter, build_record
+from gateway.store.model import Filter, format_ts, parse_ts
+from gateway.store.postgres import PostgresStore
+from gateway.store.sqlite import SqliteStore
+
+PG_DSN = os.environ.get("MEMGATE_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+RULES = StoreRules(max_chars_per_record=200)
+T0 = parse_ts("2026-04-01T00:00:00Z", "t")
+HOUR = 3600 * 1_000_000
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    if request.param == "sqlite":
+        s: Store = SqliteStore(str(tmp_path / "mem.db"))
+        await s.open()
+        yield s
+        await s.close()
+        return
+    import asyncpg
+
+    schema = f"memgate_t_{uuid.uuid4().hex[:10]}"
+    conn = await asyncpg.connect(PG_DSN)
+    await conn.execute(f"CREATE SCHEMA {schema}")
+    pg = PostgresStore(PG_DSN, search_path=schema)
+    await pg.open()
+    try:
+        yield pg
+    finally:
+        await pg.close()
+        await conn.execute(f"DROP SCHEMA {schema} CASCADE")
+        await conn.close()
+
+
+def turn(session: str, ts: int, text: str, tags: list[str] | None = None,
+         agent: str = "agent-1", tenant: str = "t-a") -> Any:
+    return build_record({"memory_type": "turn", "agent_id": agent, "session_id": session,
+                         "ts": format_ts(ts), "user_text": text, "assistant_text": "ok",
+                         "tags": tags or []}, tenant, RULES)
+
+
+def search(body: dict[str, Any], tenant: str = "t-a", rules: StoreRules = RULES) -> Filter:
+    return build_filter(body, tenant, rules, now=T0 + 24 * HOUR)
+
+
+async def test_write_read_back_the_seed_assertions(store: Store) -> None:
+    """count <= top_k; session, time window and tags as filtered; memory_id round-trips."""
+    recs = [turn("s-A", T0 + i * HOUR, f"预算讨论 第{i}次 budget", ["budget" if i % 2 else "misc"])
+            for i in range(8)]
+    recs.append(turn("s-B", T0 + 2 * HOUR, "预算讨论 in another session", ["budget"]))
+    assert await store.write(recs) == 9
+    f = search({"filter": {"session_id": "s-A", "time_from": format_ts(T0 + HOUR),
+                           "time_to": format_ts(T0 + 6 * HOUR), "tags": ["budget"]},
+                "query": "预算", "top_k": 2})
+    got = await store.search(f)
+    assert 0 < len(got) <= 2
+    for rec, _ in got:
+        assert rec.session_id == "s-A" and T0 + HOUR <= rec.ts < T0 + 6 * HOUR
+        assert "budget" in rec.tags
+        back = await store.get("t-a", rec.memory_id)
+        assert back is not None and back.public() == rec.public()
+
+
+async def test_same_text_two_sessions_filter_one(store: Store) -> None:
+    """Seed case 1: 预算 10 万 in session-A and session-B; filter session-A -> only A."""
+    await store.write([turn("session-A", T0, "预算 10 万"), turn("session-B", T0, "预算 10 万")])
+    got = await store.search(search({"filter": {"session_id": "session-A"}, "query": "预算"}))
+    assert [r.session_id for r, _ in got] == ["session-A"]
+    cross = await store.search(search({"scope": "cross_session", "query": "预算 10 万"}))
+    assert sorted(r.session_id for r, _ in cross) == ["session-A", "session-B"]
+
+
+async def test_overlong_truncate_or_reject(store: Store) -> None:
+    """Seed case 2: over max_chars_per_record: cut and marked, or refused (413), never half."""
+    long_text = "长" * 500
+    cut = turn("s", T0, long_text)
+    assert cut.truncated and cut.original_chars == len(long_text) + len("\nok")
+    await store.write([cut])
+    back = await store.get("t-a", cut.memory_id)
+    assert back is not None and back.truncated and len(back.text) == 200
+    assert back.public()["truncated"] is True
+    with pytest.raises(StoreError) as exc:
+        build_record({"memory_type": "turn", "agent_id": "a", "session_id": "s",
+                      "ts": format_ts(T0), "user_text": long_text},
+                     "t-a", StoreRules(max_chars_per_record=200, on_overlong="reject"))
+    assert exc.value.status == 413 and "200" in exc.value.message and "500" in exc.value.message
+
+
+@pytest.mark.parametrize("boundary", ["closed", "half_open"])
+async def test_records_exactly_on_the_boundaries(store: Store, boundary: str) -> None:
+    """Seed case 3: ts == time_from is in; ts == time_to is in only when closed."""
+    at_from, inside, at_to = (turn("s", T0, "from"), turn("s", T0 + HOUR, "inside"),
+                              turn("s", T0 + 2 * HOUR, "to"))
+    await store.write([at_from, inside, at_to])
+    rules = StoreRules(time_boundary=boundary)  # type: ignore[arg-type]
+    f = search({"filter": {"session_id": "s", "time_from": format_ts(T0),
+                           "time_to": format_ts(T0 + 2 * HOUR)}, "top_k": 10}, rules=rules)
+    got = {r.text.split("\n")[0] for r, _ in await store.search(f)}
+    assert got == ({"from", "inside", "to"} if boundary == "closed" else {"from", "inside"})
+
+
+def test_bad_requests_are_refused_precisely() -> None:
+    """A naive timestamp, an implicit cross-session search, a reversed range: clear errors."""
+    with pytest.raises(StoreError, match="without a timezone"):
+        build_record({"memory_type": "message", "agent_id": "a", "session_id": "s",
+                      "ts": "2026-04-01T00:00:00", "text": "x"}, "t", RULES)
+    with pytest.raises(StoreError, match="cross-session search must be asked for explicitly"):
+        build_filter({"query": "x"}, "t", RULES)
+    with pytest.raises(StoreError, match="earlier than"):
+        build_filter({"filter": {"session_id": "s", "time_from": "2026-04-02T00:00:00Z",
+                                 "time_to": "2026-04-01T00:00:00Z"}}, "t", RULES)
+
+
+async def test_delete_and_tenant_scoped_get(store: Store) -> None:
+    """Another tenant can neither read nor delete a record."""
+    rec = turn("s", T0, "secret plan")
+    await store.write([rec])
+    assert await store.get("t-b", rec.memory_id) is None
+    assert not await store.delete("t-b", rec.memory_id)
+    assert await store.delete("t-a", rec.memory_id)
+    assert await store.get("t-a", rec.memory_id) is None
+
+
+def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    """A SQLite file written by a newer memgate is refused, not silently misread."""
+    import asyncio
+
+    path = tmp_path / "future.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    db.execute("INSERT INTO schema_version VALUES (99)")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="newer than this memgate"):
+        asyncio.run(SqliteStore(str(path)).open())
+
+
+# ------------------------------------------------------------------ properties
+
+WORDS = ["预算", "budget", "orders", "订单", "report", "路径", "cache", "plan"]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def populated(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
+        tuple[Store, list[Any]]]:
+    rnd = random.Random(3)
+    recs = []
+    for i in range(120):
+        recs.append(turn(f"s{rnd.randint(0, 3)}", T0 + rnd.randint(0, 10) * HOUR,
+                         " ".join(rnd.sample(WORDS, 3)) + f" #{i}",
+                         rnd.sample(["a", "b", "c"], rnd.randint(0, 2)),
+                         agent=rnd.choice(["x", "y"]), tenant=rnd.choice(["t-a", "t-b"])))
+    if request.param == "sqlite":
+        s: Store = SqliteStore(str(tmp_path / "p.db"))
+        await s.open()
+        await s.write(recs)
+        yield s, recs
+        await s.close()
+        return
+    import asyncpg
+
+    schema = f"memgate_t_{uuid.uuid4().hex[:10]}"
+    conn = await asyncpg.connect(PG_DSN)
+    await conn.execute(f"CREATE SCHEMA {schema}")
+    pg = PostgresStore(PG_DSN, search_path=schema)
+    await pg.open()
+    await pg.write(recs)
+    try:
+        yield pg, recs
+    finally:
+        await pg.close()
+        await conn.execute(f"DROP SCHEMA {schema} CASCADE")
+        await conn.close()
+
+
+filters = st.fixed_dictionaries({
+    "tenant": st.sampled_from(["t-a", "t-b"]),
+    "session": st.one_of(st.none(), st.sampled_from(["s0", "s1", "s2", "s3"])),
+    "agent": st.one_of(st.none(), st.sampled_from(["x", "y"])),
+    "lo": st.integers(0, 10), "hi": st.integers(0, 10),
+    "tags": st.lists(st.sampled_from(["a", "b", "c"]), max_size=2, unique=True),
+    "boundary": st.sampled_from(["closed", "half_open"]),
+    "query": st.one_of(st.just(""), st.sampled_from(WORDS)),
+    "top_k": st.integers(1, 30),
+})
+
+
+@given(spec=filters)
+@settings(max_examples=60,  # the fixture's store is only read: sharing it is intended
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+async def test_any_filter_is_respected_and_tenants_never_mix(
+    populated: tuple[Store, list[Any]], spec: dict[str, Any]
+) -> None:
+    """Every result satisfies the filter (tenant included); without a query the results are
+    exactly the top_k most recent matching records."""
+    store, recs = populated
+    lo, hi = sorted((spec["lo"], spec["hi"]))
+    body: dict[str, Any] = {"filter": {"session_id": spec["session"], "agent_id": spec["agent"],
+                                       "time_from": format_ts(T0 + lo * HOUR),
+                                       "time_to": format_ts(T0 + hi * HOUR),
+                                       "tags": spec["tags"]},
+                            "query": spec["query"], "top_k": spec["top_k"]}
+    if spec["session"] is None:
+        body["scope"] = "cross_session"
+    rules = StoreRules(time_boundary=spec["boundary"])
+    f = search(body, tenant=spec["tenant"], rules=rules)
+    got = await store.search(f)
+    assert len(got) <= spec["top_k"]
+    for rec, _ in got:
+        assert f.matches(rec) and rec.tenant == spec["tenant"]
+        if spec["query"]:
+            assert spec["query"].lower() in rec.text.lower()
+    if not spec["query"]:
+        expected = sorted((r for r in recs if f.matches(r)), key=lambda r: -r.ts)
+        assert sorted(r.ts for r, _ in got) == sorted(r.ts for r in expected[: spec["top_k"]])
