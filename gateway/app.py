@@ -13,6 +13,8 @@ from aiohttp import web
 
 from . import logging as mglog
 from .capture import Capture
+from .memory_api import MemoryService
+from .memory_api import routes as memory_routes
 from .metrics import Metrics
 from .reload import Reloader
 from .rules import Rules
@@ -32,6 +34,7 @@ class GatewayState:
     snapshots: SessionStore[dict[str, Any]]
     metrics: Metrics = field(default_factory=Metrics)
     capture: Capture = field(default_factory=Capture)
+    memory: MemoryService | None = None
     pool: UpstreamPool = field(default_factory=UpstreamPool)
     log: Any = None
 
@@ -85,6 +88,7 @@ def create_app(
         snapshots=SessionStore(rules.max_tracked_sessions),
         log=log,
     )
+    state.memory = MemoryService(env or {}, log)
 
     # the body limit is enforced per request from the live rules (it can be reloaded)
     app = web.Application(client_max_size=1 << 40)
@@ -96,6 +100,9 @@ def create_app(
             state.pool.session(up)
         watcher = asyncio.create_task(reloader.run()) if config_path else None
         writer = asyncio.create_task(state.capture.run())
+        memory = state.memory
+        assert memory is not None
+        archiver = asyncio.create_task(memory.run_writer(state.rules.store))
         loop = asyncio.get_running_loop()
         hup = False
         try:
@@ -109,7 +116,8 @@ def create_app(
             if hup:
                 loop.remove_signal_handler(signal.SIGHUP)
             await state.capture.drain()  # nothing captured is lost on a clean shutdown
-            for task in (watcher, writer):
+            await memory.close()  # archived turns flushed before the store closes
+            for task in (watcher, writer, archiver):
                 if task is not None:
                     task.cancel()
                     try:
@@ -123,6 +131,8 @@ def create_app(
     app.router.add_get("/readyz", handlers.readyz)
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/admin/sessions/{session}/memory", handlers.admin_session_memory)
+    app.router.add_routes(memory_routes(lambda r: r.app[STATE].memory,
+                                        lambda r: r.app[STATE].rules.store))
     for path, wire in PATHS.items():
         app.router.add_post(path, handlers.intercept(wire))
     app.router.add_route("*", "/{tail:.*}", handlers.passthrough)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .carry import Message, Snapshot, build_snapshot, render_note
+from .carry.snapshot import DEFAULT_NOTE
 from .conversation import Conversation, Unplannable
 from .errors import BadRequest, OverBudget
 from .policy import Limits, Plan, PlanRules, plan
@@ -38,6 +39,7 @@ class Decision:
     cache_marker_moved: bool = False
     snapshot: Snapshot | None = None
     note: str | None = None
+    recalled: list[str] = field(default_factory=list)
     _items: list[Any] | None = None
     _msg_tokens: dict[int, int] = field(default_factory=dict)
 
@@ -111,7 +113,8 @@ def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
 
 
 def decide(
-    raw: bytes, payload: Any, rules: Rules, tokenizers: Tokenizers, wire: Wire = OPENAI_CHAT
+    raw: bytes, payload: Any, rules: Rules, tokenizers: Tokenizers, wire: Wire = OPENAI_CHAT,
+    recalled: list[str] | None = None,
 ) -> Decision:
     """Plan one request; raises BadRequest / OverBudget for the client."""
     model = payload.get("model") if isinstance(payload, dict) else None
@@ -148,7 +151,7 @@ def decide(
         overhead = d.overhead_tokens() if d.budget_tokens is not None else 0
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
                       tokens_upper_bound=_bytes_bound(raw, d))
-        if d.mode == "on" and d.plan.dropped and _carry_note(d, rules, items):
+        if d.mode == "on" and d.plan.dropped and _carry_note(d, rules, items, recalled):
             # the note is counted into the budget: plan again with what it leaves
             assert d.note is not None
             d.plan = plan(d.conv, _minus_note(prules, d), d.message_tokens,
@@ -179,17 +182,23 @@ def decide(
     return d
 
 
-def _carry_note(d: Decision, rules: Rules, items: list[Any]) -> bool:
-    """Build the session's snapshot and the note that carries it; True if there is one."""
+def _carry_note(
+    d: Decision, rules: Rules, items: list[Any], recalled: list[str] | None
+) -> bool:
+    """Build the session's snapshot and the note that carries it (with any recalled
+    records); True if there is a note."""
     carry, patterns = rules.memory.carry, rules.memory.carry_patterns
-    if not carry.enabled or patterns is None or d.conv is None:
+    if d.conv is None:
         return False
-    wire = d.wire
-    turn_of = {i: g.turn for g in d.conv.groups for i in g.indices}
-    msgs = [Message(turn_of[i], wire.item_role(items[i]), wire.item_text(items[i]))
-            for i in sorted(turn_of)]
-    d.snapshot = build_snapshot(msgs, patterns, carry)
-    d.note = render_note(d.snapshot, patterns.note, carry.max_note_chars)
+    if carry.enabled and patterns is not None:
+        wire = d.wire
+        turn_of = {i: g.turn for g in d.conv.groups for i in g.indices}
+        msgs = [Message(turn_of[i], wire.item_role(items[i]), wire.item_text(items[i]))
+                for i in sorted(turn_of)]
+        d.snapshot = build_snapshot(msgs, patterns, carry)
+    template = patterns.note if patterns is not None else DEFAULT_NOTE
+    d.recalled = list(recalled or [])
+    d.note = render_note(d.snapshot, template, carry.max_note_chars, d.recalled)
     return d.note is not None
 
 

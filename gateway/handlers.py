@@ -19,6 +19,9 @@ from .capture import record as capture_record
 from .errors import ApiFlavor, GatewayError, PayloadTooLarge, render_error
 from .session import session_id, tenant_of
 from .state import SessionRecord, compare_cut, fingerprint, known_prefix
+from .recall import archive_records, recall
+from .rules import Rules
+from .store import StoreError
 from .upstream import Relayed, relay
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
@@ -144,6 +147,9 @@ def intercept(wire: Wire) -> Handler:
                 except orjson.JSONDecodeError:
                     payload = None
                 d = decide(raw, payload, rules, state.tokenizers, wire)
+                if (rules.store.recall_enabled and d.mode == "on" and d.plan is not None
+                        and d.plan.dropped):
+                    d = await _with_recall(state, request, rules, wire, d)
                 up = rules.upstream_for(request.path, d.model)
                 overhead_ms = (time.perf_counter() - t0) * 1000
                 return await relay(request, state.pool, up, d.forward, info)
@@ -159,6 +165,24 @@ def intercept(wire: Wire) -> Handler:
             _log_mem(state, request, rules.session_header, wire, d, info, overhead_ms, rid)
 
     return handle
+
+
+async def _with_recall(
+    state: GatewayState, request: web.Request, rules: Rules, wire: Wire, d: Decision
+) -> Decision:
+    """Plan again with the records recalled for the latest question in the note."""
+    tenant = tenant_of(request.headers)
+    session = _session(request, rules.session_header, d, tenant)
+    assert state.memory is not None
+    try:
+        store = await state.memory.get_store(rules.store)
+    except (StoreError, OSError) as exc:  # recall degrades to this request's dropped turns
+        state.log.error("recall_store_unavailable", error=str(exc)[:200])
+        store = None
+    recalled = await recall(store, rules.store, tenant, session, d)
+    if not recalled:
+        return d
+    return decide(d.raw, d.payload, rules, state.tokenizers, wire, recalled=recalled)
 
 
 def _log_mem(
@@ -192,6 +216,13 @@ def _log_mem(
         fields["api"] = wire.name
     if wire.approx_tokens:
         fields["tokenizer"] = "approx"
+    if d is not None and d.recalled:
+        fields["recalled"] = len(d.recalled)
+    if (d is not None and d.plan is not None and d.mode == "on"
+            and state.rules.store.archive != "off" and state.memory is not None):
+        agent = request.headers.get("X-Agent-Id", "") or "default"
+        fields["archived"] = state.memory.archive(
+            archive_records(d, tenant, session, agent, state.rules.store))
     if d is not None and d.note is not None and d.snapshot is not None:
         fields["carried"] = d.snapshot.count
         state.snapshots.put(tenant, session, d.snapshot.fields)

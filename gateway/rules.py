@@ -21,6 +21,7 @@ import yaml
 from .carry.rules import CarryPatterns, load_carry_patterns
 from .carry.snapshot import ALL_FIELDS, CarryRules
 from .errors import RulesError
+from .store.model import StoreRules, parse_window
 
 STAGES = ("pinned", "recent_turns", "length", "score")
 DropUnit = Literal["turn", "group"]
@@ -124,6 +125,7 @@ class Rules:
     token_cache_size: int = 200_000
     approx_token_factor: float = 1.15
     capture: CaptureRules = field(default_factory=CaptureRules)
+    store: StoreRules = field(default_factory=StoreRules)
     models: tuple[ModelInfo, ...] = ()
     default_encoding: str = "cl100k_base"
     default_context_window: int = 8192
@@ -392,6 +394,43 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | 
     ), carry_path
 
 
+def _window(v: Any) -> int:
+    if not isinstance(v, str):
+        raise ValueError(f"must look like 7d or 12h, got {v!r}")
+    return parse_window(v)
+
+
+def _parse_store(r: _Reader, data: Any) -> StoreRules:
+    k = "store"
+    s = r.section(data, k, {"backend", "path", "dsn_env", "write_granularity", "session_scope",
+                            "time_boundary", "default_time_window", "search_top_k",
+                            "max_chars_per_record", "on_overlong", "archive", "recall"})
+    rc = r.section(s.get("recall"), "store.recall", {"enabled", "top_k", "scope"})
+    d = StoreRules()
+    return StoreRules(
+        backend=r.get(s, k, "backend", _str(("sqlite", "postgres")), d.backend),
+        path=r.get(s, k, "path", _str(), d.path),
+        dsn_env=r.get(s, k, "dsn_env", _str(), d.dsn_env),
+        write_granularity=r.get(s, k, "write_granularity", _str(("turn", "message", "session")),
+                                d.write_granularity),
+        session_scope=r.get(s, k, "session_scope", _str(("current", "cross_session")),
+                            d.session_scope),
+        time_boundary=r.get(s, k, "time_boundary", _str(("closed", "half_open")),
+                            d.time_boundary),
+        default_time_window_s=r.get(s, k, "default_time_window", _window,
+                                    d.default_time_window_s),
+        search_top_k=r.get(s, k, "search_top_k", _int(1, 100), d.search_top_k),
+        max_chars_per_record=r.get(s, k, "max_chars_per_record", _int(1),
+                                   d.max_chars_per_record),
+        on_overlong=r.get(s, k, "on_overlong", _str(("truncate", "reject")), d.on_overlong),
+        archive=r.get(s, k, "archive", _str(("off", "evicted", "all")), d.archive),
+        recall_enabled=r.get(rc, "store.recall", "enabled", _bool, d.recall_enabled),
+        recall_top_k=r.get(rc, "store.recall", "top_k", _int(1, 20), d.recall_top_k),
+        recall_scope=r.get(rc, "store.recall", "scope", _str(("current", "cross_session")),
+                           d.recall_scope),
+    )
+
+
 def _parse_upstreams(r: _Reader, data: Any) -> tuple[Upstream, ...]:
     if data is None:
         return Rules().upstreams
@@ -515,7 +554,8 @@ def build_rules(
     top = r.section(
         data if data is not None else {},
         "",
-        {"memory", "upstreams", "listen", "logging", "limits", "session", "tokens", "capture"},
+        {"memory", "upstreams", "listen", "logging", "limits", "session", "tokens", "capture",
+         "store"},
     )
     memory, carry_path = _parse_memory(r, top.get("memory"), base_dir)
     c = r.section(top.get("capture"), "capture",
@@ -535,6 +575,7 @@ def build_rules(
     session = r.section(top.get("session"), "session", {"header", "max_tracked"})
     tokens = r.section(top.get("tokens"), "tokens", {"cache_size", "models_file", "approx_factor"})
 
+    store = _parse_store(r, top.get("store"))
     models: tuple[ModelInfo, ...] = ()
     default_encoding, default_window = "cl100k_base", 8192
     models_file = r.get(tokens, "tokens", "models_file", _str(), None)
@@ -561,6 +602,7 @@ def build_rules(
         token_cache_size=r.get(tokens, "tokens", "cache_size", _int(0), 200_000),
         approx_token_factor=r.get(tokens, "tokens", "approx_factor", _float(0.5, 3.0), 1.15),
         capture=capture,
+        store=store,
         models=models,
         default_encoding=default_encoding,
         default_context_window=default_window,

@@ -234,9 +234,15 @@ def build_snapshot(
     return fold.snapshot(rules, current)
 
 
-def render_note(snap: Snapshot, template: str, max_chars: int) -> str | None:
+DEFAULT_NOTE = ("[memgate memory] Earlier turns of this conversation were trimmed. "
+                "Still in force:\n{lines}")
+
+
+def render_note(
+    snap: Snapshot | None, template: str, max_chars: int, recalled: list[str] | None = None
+) -> str | None:
     """The compact note injected before the current turn, or None when there is nothing."""
-    f = snap.fields
+    f = snap.fields if snap is not None else {}
     lines = []
     if "task_state" in f:
         lines.append(f"- task state: {f['task_state']}")
@@ -252,6 +258,10 @@ def render_note(snap: Snapshot, template: str, max_chars: int) -> str | None:
         lines.append(f"- tool result: {t}")
     if f.get("dropped_candidates"):
         lines.append(f"- not chosen: {', '.join(f['dropped_candidates'])}")
-    if not lines:
+    head = template.replace("{lines}", "\n".join(lines))[:max_chars] if lines else ""
+    recalled_lines = [f"- recalled: {r}" for r in recalled or []]
+    if not lines and not recalled_lines:
         return None
-    return template.replace("{lines}", "\n".join(lines))[:max_chars]
+    if not lines:
+        head = template.replace("{lines}", "").rstrip()
+    return "\n".join([head, *recalled_lines]) if recalled_lines else head

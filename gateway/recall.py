@@ -1,0 +1,119 @@
+"""Archive turns that leave the window, and recall them for the latest question.
+
+Turns are written as `turn` records with a deterministic memory_id (tenant,
+session, the turn's first message), so a stateless client that resends the
+same history every request never archives a turn twice. Recall ranks, by the
+same term overlap, the store's records and the turns this very request is
+dropping (a client's first long request has nothing archived yet).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+from .chat import Decision
+from .state import fingerprint
+from .store import Store, StoreRules
+from .store.model import Filter, Record, build_record, format_ts, index_text, now_us, query_terms
+
+MAX_RECALLED_CHARS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class TurnText:
+    turn: int
+    first: int  # index of its first message
+    user: str
+    assistant: str
+    dropped: bool
+
+    @property
+    def text(self) -> str:
+        return f"{self.user}\n{self.assistant}".strip()
+
+
+def turns_of(d: Decision) -> list[TurnText]:
+    """The complete turns before the current one, with their text and fate."""
+    if d.conv is None:
+        return []
+    dropped = {i for i, _ in d.plan.dropped} if d.plan is not None else set()
+    by_turn: dict[int, list[int]] = {}
+    for g in d.conv.groups:
+        if 0 < g.turn < d.conv.n_turns:
+            by_turn.setdefault(g.turn, []).extend(g.indices)
+    out = []
+    for turn, idx in sorted(by_turn.items()):
+        idx.sort()
+        items = [d.messages[i] for i in idx]
+        roles = [d.wire.item_role(m) for m in items]
+        user = "\n".join(d.wire.item_text(m) for m, r in zip(items, roles, strict=True)
+                         if r == "user")
+        assistant = "\n".join(d.wire.item_text(m) for m, r in zip(items, roles, strict=True)
+                              if r == "assistant")
+        out.append(TurnText(turn, idx[0], user, assistant, all(i in dropped for i in idx)))
+    return out
+
+
+def archive_records(
+    d: Decision, tenant: str, session: str, agent: str, rules: StoreRules
+) -> list[Record]:
+    which = rules.archive
+    out = []
+    now = now_us()
+    for t in turns_of(d):
+        if which == "evicted" and not t.dropped:
+            continue
+        if not t.text:
+            continue
+        mid = hashlib.sha256(
+            tenant.encode() + b"\0" + session.encode() + b"\0" + fingerprint(d.messages[t.first])
+        ).hexdigest()[:32]
+        out.append(build_record(
+            {"memory_id": mid, "memory_type": "turn", "agent_id": agent, "session_id": session,
+             "turn_id": str(t.turn), "ts": format_ts(now), "user_text": t.user,
+             "assistant_text": t.assistant, "tags": ["archived"]},
+            tenant, rules))
+    return out
+
+
+def _score(terms: set[str], text: str) -> float:
+    words = set(index_text(text).split())
+    hits = len(terms & words)
+    return hits / math.sqrt(len(words) + 1) if hits else 0.0
+
+
+def rank(query: str, candidates: list[str], top_k: int) -> list[str]:
+    terms = set(query_terms(query))
+    scored = sorted(
+        ((s, -i, c) for i, c in enumerate(dict.fromkeys(candidates)) if (s := _score(terms, c))),
+        reverse=True,
+    )
+    return [c[:MAX_RECALLED_CHARS] for _, _, c in scored[:top_k]]
+
+
+def latest_question(d: Decision) -> str:
+    for m in reversed(d.messages):
+        if d.wire.item_role(m) == "user":
+            return d.wire.item_text(m)
+    return ""
+
+
+async def recall(
+    store: Store | None, rules: StoreRules, tenant: str, session: str, d: Decision
+) -> list[str]:
+    """Texts to bring back for the latest question: archived and being-dropped turns."""
+    query = latest_question(d)
+    if not query:
+        return []
+    candidates = [t.text for t in turns_of(d) if t.dropped]
+    if store is not None:
+        f = Filter(tenant=tenant, agent_id=None,
+                   session_id=session if rules.recall_scope == "current" else None,
+                   time_from=now_us() - rules.default_time_window_s * 1_000_000,
+                   time_to=now_us(), boundary="closed", query=query,
+                   top_k=rules.recall_top_k * 3)
+        kept = {t.text for t in turns_of(d) if not t.dropped}
+        candidates += [r.text for r, _ in await store.search(f) if r.text not in kept]
+    return rank(query, candidates, rules.recall_top_k)

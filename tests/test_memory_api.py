@@ -1,0 +1,131 @@
+"""The memory store through the gateway: HTTP API, archiving evicted turns, recall."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gateway.session import tenant_of
+from gateway.store.model import Filter
+from gateway.store.sqlite import SqliteStore
+
+from .conftest import SECRET, GatewayFactory, Upstream
+
+AUTH = {"Authorization": f"Bearer {SECRET}"}
+OTHER = {"Authorization": "Bearer sk-another-tenant"}
+PG_DSN = os.environ.get("MEMGATE_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+async def call(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None
+               ) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as s, s.request(
+        method, url, data=None if body is None else orjson.dumps(body), headers=headers or {}
+    ) as r:
+        return r.status, orjson.loads(await r.read())
+
+
+async def test_write_search_get_delete_and_tenants(
+    gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """The HTTP API round-trips records, scopes them by the caller's key, explains errors."""
+    gw = await gateway(store={"path": str(tmp_path / "m.db"), "max_chars_per_record": 50,
+                              "on_overlong": "reject"})
+    base = f"{gw.url}/v1/memories"
+    rec = {"memory_type": "turn", "agent_id": "a1", "session_id": "session-A",
+           "ts": "2026-11-29T10:00:00+08:00", "user_text": "预算 10 万", "assistant_text": "好的",
+           "tags": ["budget"]}
+    status, made = await call("POST", base, rec, AUTH)
+    assert status == 201
+    mid = made["memory_id"]
+    status, found = await call("POST", f"{base}/search", {
+        "filter": {"session_id": "session-A", "time_from": "2026-11-29T00:00:00Z",
+                   "time_to": "2026-11-30T00:00:00Z"}, "query": "预算"}, AUTH)
+    assert status == 200 and [r["memory_id"] for r in found["results"]] == [mid]
+    assert found["results"][0]["ts"] == "2026-11-29T02:00:00+00:00"  # stored in UTC
+    status, got = await call("GET", f"{base}/{mid}", headers=AUTH)
+    assert status == 200 and got["user_text"] == "预算 10 万"
+    assert (await call("GET", f"{base}/{mid}", headers=OTHER))[0] == 404
+    status, err = await call("GET", f"{base}/{mid}")
+    assert status == 401 and err["error"]["code"] == "unauthorized"
+    status, err = await call("POST", base, {**rec, "ts": "2026-11-29T10:00:00"}, AUTH)
+    assert status == 400 and "without a timezone" in err["error"]["message"]
+    status, err = await call("POST", base, {**rec, "user_text": "x" * 80}, AUTH)
+    assert status == 413 and "limit is 50" in err["error"]["message"]
+    status, err = await call("POST", f"{base}/search", {"query": "预算"}, AUTH)
+    assert status == 400 and "cross-session" in err["error"]["message"]
+    assert (await call("DELETE", f"{base}/{mid}", headers=OTHER))[0] == 404
+    assert (await call("DELETE", f"{base}/{mid}", headers=AUTH))[0] == 200
+    assert (await call("GET", f"{base}/{mid}", headers=AUTH))[0] == 404
+
+
+def conversation(turns: int = 30) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are helpful."},
+                                  {"role": "user", "content": "Our launch codename is BLUEHERON "
+                                                              "and the budget is 40k euros."},
+                                  {"role": "assistant", "content": "Noted: BLUEHERON, 40k euros."}]
+    for t in range(turns):
+        msgs += [{"role": "user", "content": f"Filler question {t}: " + "tell me more. " * 30},
+                 {"role": "assistant", "content": f"Filler answer {t}. " * 30}]
+    msgs.append({"role": "user", "content": "What was the launch codename and budget again?"})
+    return msgs
+
+
+async def test_archive_evicted_turns_once_and_recall_them(
+    gateway: GatewayFactory, upstream: Upstream, tmp_path: Path
+) -> None:
+    """archive: evicted writes each dropped turn once (resending the history adds nothing);
+    recall brings the turn that answers the latest question back in the note."""
+    db = tmp_path / "m.db"
+    budget = {"max_tokens": 1200, "max_chars": None, "max_messages": None, "max_turns": None}
+    gw = await gateway(memory={"enable_eviction": True, "budget": budget},
+                       store={"path": str(db), "archive": "evicted",
+                              "recall": {"enabled": True, "top_k": 2}})
+    body = {"model": "gpt-4o-mini", "messages": conversation()}
+    for _ in range(2):
+        status, _ = await call("POST", f"{gw.url}/v1/chat/completions", body,
+                               {**AUTH, "X-Session-Id": "s-arch"})
+        assert status == 200
+    ev = gw.mem_events()
+    assert int(ev[0]["archived"]) > 0 and int(ev[0]["recalled"]) >= 1
+    sent = orjson.loads(upstream.received[-1]["raw"])["messages"]
+    note = next(m["content"] for m in sent if m["content"].startswith("[memgate memory]"))
+    assert "BLUEHERON" in note and "40k euros" in note
+    assert sent[1]["content"] != body["messages"][1]["content"]  # the turn itself was evicted
+    await gw.server.close()  # shutdown flushes the write-behind queue
+    store = SqliteStore(str(db))
+    await store.open()
+    rows = await store.search(Filter(tenant=tenant_of(AUTH), agent_id=None, session_id="s-arch",
+                                     time_from=0, time_to=1 << 62, boundary="closed", top_k=100))
+    await store.close()
+    assert len(rows) == int(ev[0]["archived"])  # the second request archived nothing new
+    assert gw.state.memory.written == len(rows)
+
+
+async def test_postgres_backend_through_the_gateway(gateway: GatewayFactory) -> None:
+    """With store.backend postgres the same API works against the shared database."""
+    import asyncpg
+
+    schema = f"memgate_t_{uuid.uuid4().hex[:10]}"
+    conn = await asyncpg.connect(PG_DSN)
+    await conn.execute(f"CREATE SCHEMA {schema}")
+    try:
+        dsn = f"{PG_DSN}?options=-csearch_path%3D{schema}"
+        gw = await gateway(store={"backend": "postgres"}, env={"MEMGATE_STORE_DSN": dsn})
+        rec = {"memory_type": "message", "agent_id": "a", "session_id": "s1", "role": "user",
+               "ts": "2026-11-29T10:00:00Z", "text": "订单汇总写到 report.csv"}
+        status, made = await call("POST", f"{gw.url}/v1/memories", rec, AUTH)
+        assert status == 201
+        status, found = await call("POST", f"{gw.url}/v1/memories/search", {
+            "filter": {"session_id": "s1", "time_from": "2026-11-29T00:00:00Z"},
+            "query": "汇总"}, AUTH)
+        assert [r["memory_id"] for r in found["results"]] == [made["memory_id"]]
+        assert await conn.fetchval(f"SELECT count(*) FROM {schema}.memgate_memories") == 1
+        await gw.server.close()
+    finally:
+        await conn.execute(f"DROP SCHEMA {schema} CASCADE")
+        await conn.close()
