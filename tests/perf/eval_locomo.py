@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Evidence retention on LoCoMo: recency-only vs memgate (eviction + recall of dropped turns).
+
+    python tests/perf/eval_locomo.py --data ../shared/data [--budgets 2000,4000,8000]
+
+Converts the LoCoMo dev conversations with the data set's own script (one request
+per QA item: full history + the question), runs every request through memgate's
+decision path (`decide` + recall over the turns the request drops: what the
+gateway forwards when `store.recall` is on and nothing was archived yet), writes
+what would be forwarded, and scores it with the data set's evaluator against the
+evaluator's recency-only baseline at the same budgets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from gateway.chat import decide
+from gateway.recall import recall
+from gateway.rules import build_rules
+from gateway.store import StoreRules
+from gateway.tokens import Tokenizers
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def forward_all(payloads: Path, budget: int, top_k: int, out: Path) -> None:
+    rules = build_rules({
+        "memory": {"enable_eviction": True, "budget": {"max_tokens": budget, "max_chars": None,
+                                                       "max_messages": None, "max_turns": None},
+                   "eviction": {"low_water": 1.0}},
+        "tokens": {"models_file": "rules/models.yaml"}}, base_dir=ROOT)
+    store_rules = replace(StoreRules(), recall_enabled=True, recall_top_k=top_k)
+    tok = Tokenizers(500_000)
+    with out.open("wb") as f:
+        for line in payloads.read_bytes().splitlines():
+            body = orjson.loads(line)
+            d = decide(line, body, rules, tok)
+            if top_k and d.plan is not None and d.plan.dropped:
+                recalled = asyncio.run(recall(None, store_rules, "eval", "eval", d))
+                if recalled:
+                    d = decide(line, body, rules, tok, recalled=recalled)
+            f.write(d.forward + b"\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--budgets", default="2000,4000,8000")
+    ap.add_argument("--top-k", type=int, default=4)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="memgate-locomo-"))
+    subprocess.run([sys.executable, str(args.data / "locomo_to_payloads.py"), "--input",
+                    str(args.data / "locomo" / "locomo_dev.json"), "--out-dir", str(work)],
+                   check=True, capture_output=True)
+    payloads, side = work / "payloads.jsonl", work / "side.jsonl"
+    evaluator = [sys.executable, str(args.data / "retention.py"), "--original", str(payloads),
+                 "--side", str(side)]
+    print("| budget | policy | macro retention | micro | all evidence | fwd tokens |")
+    print("|---|---|---|---|---|---|")
+    for budget in [int(b) for b in args.budgets.split(",")]:
+        runs: list[tuple[str, list[str]]] = [("recency baseline (evaluator)",
+                                              ["--baseline", "recency", "--budget", str(budget)])]
+        for name, k in (("memgate eviction, no recall", 0),
+                        (f"memgate + recall of dropped turns (top_k {args.top_k})", args.top_k)):
+            fwd = work / f"fwd_{budget}_{k}.jsonl"
+            forward_all(payloads, budget, k, fwd)
+            runs.append((name, ["--forwarded", str(fwd)]))
+        for name, extra in runs:
+            out = work / "r.json"
+            subprocess.run([*evaluator, *extra, "--json-out", str(out)], check=True,
+                           capture_output=True)
+            o = summary(json.loads(out.read_text()))
+            print(f"| {budget} | {name} | {o['macro']:.1%} | {o['micro']:.1%} | {o['all']:.1%} |"
+                  f" {o['fwd_tok']:.0f} |")
+
+
+def summary(data: dict[str, Any]) -> dict[str, float]:
+    result: dict[str, float] = next(iter(data["results"].values()))["overall"]
+    return result
+
+
+if __name__ == "__main__":
+    main()
