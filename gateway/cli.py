@@ -137,6 +137,8 @@ def cmd_evict(args: argparse.Namespace) -> int:
         print(f"memgate evict: the gateway would answer {exc.status}: {exc.message}",
               file=sys.stderr)
         return 1
+    if rules.store.recall_enabled and d.mode == "on" and d.plan is not None and d.plan.dropped:
+        d = run_async(lambda: _recall_offline(d, rules, env, payload, tokenizers, wire))
     if args.json:
         sys.stdout.buffer.write(d.forward + b"\n")
         return 0
@@ -179,6 +181,26 @@ def cmd_evict(args: argparse.Namespace) -> int:
         print(f"mode={d.mode}: the gateway forwards the original body; "
               "MEMGATE_ENABLE_EVICTION=1 shows the evicted one")
     return 0
+
+
+async def _recall_offline(d: Any, rules: Rules, env: Mapping[str, str], payload: Any,
+                          tokenizers: Any, wire: Any) -> Any:
+    """The same recall the server does (store + the turns being dropped)."""
+    from .chat import decide
+    from .recall import recall
+    from .session import session_id, tenant_of
+    from .store import make_store
+
+    tenant = tenant_of({"Authorization": f"Bearer {env['OPENAI_API_KEY']}"}
+                       if env.get("OPENAI_API_KEY") else {})
+    session = session_id({}, rules.session_header, payload, tenant, "", "")
+    store = make_store(rules.store, env)
+    await store.open()
+    try:
+        recalled = await recall(store, rules.store, tenant, session, d)
+    finally:
+        await store.close()
+    return decide(d.raw, payload, rules, tokenizers, wire, recalled=recalled) if recalled else d
 
 
 # --------------------------------------------------------------------------- stats
@@ -255,6 +277,54 @@ def aiohttp_errors() -> type[Exception]:
     return aiohttp.ClientError
 
 
+# --------------------------------------------------------------------------- memory
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    """memgate memory write|search|get: the store the gateway uses, from the shell."""
+    from .session import tenant_of
+    from .store import StoreError, build_filter, build_record, make_store
+
+    env = dict(os.environ)
+    rules = _load_or_exit(default_config(args.config, env), env)
+    key = args.api_key or env.get("OPENAI_API_KEY", "")
+    tenant = tenant_of({"Authorization": f"Bearer {key}"} if key else {})
+
+    async def run() -> int:
+        store = make_store(rules.store, env)
+        await store.open()
+        try:
+            if args.memory_command == "write":
+                body = orjson.loads(sys.stdin.buffer.read() if args.json == "-" else args.json)
+                rec = build_record(body, tenant, rules.store)
+                await store.write([rec])
+                out: Any = {"memory_id": rec.memory_id, "truncated": rec.truncated}
+            elif args.memory_command == "search":
+                body = {"filter": orjson.loads(args.filter) if args.filter else {},
+                        "query": args.query or "", "top_k": args.top_k or rules.store.search_top_k}
+                if args.cross_session:
+                    body["scope"] = "cross_session"
+                results = await store.search(build_filter(body, tenant, rules.store))
+                out = [r.public(score) for r, score in results]
+            else:
+                rec = await store.get(tenant, args.memory_id)
+                if rec is None:
+                    print(f"memgate memory get: no memory {args.memory_id!r} for this key",
+                          file=sys.stderr)
+                    return 1
+                out = rec.public()
+        finally:
+            await store.close()
+        print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
+        return 0
+
+    try:
+        return run_async(run)
+    except (StoreError, orjson.JSONDecodeError) as exc:
+        print(f"memgate memory: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 2
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -293,6 +363,21 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.add_argument("--plot", default=None, help="write a tokens histogram PNG (matplotlib)")
     st.set_defaults(func=cmd_stats)
+    mem = sub.add_parser("memory", help="write / search / get memory records")
+    mem.add_argument("--config", default=None)
+    mem.add_argument("--api-key", default=None, help="whose records (default $OPENAI_API_KEY)")
+    msub = mem.add_subparsers(dest="memory_command", required=True)
+    mw = msub.add_parser("write", help="write one record (JSON as for POST /v1/memories)")
+    mw.add_argument("json", help="the record as JSON, or - for stdin")
+    ms = msub.add_parser("search", help="search (as POST /v1/memories/search)")
+    ms.add_argument("--filter", default=None, help='JSON, e.g. {"session_id": "s1"}')
+    ms.add_argument("--query", default=None)
+    ms.add_argument("--top-k", type=int, default=None)
+    ms.add_argument("--cross-session", action="store_true")
+    mg = msub.add_parser("get", help="one record by memory_id")
+    mg.add_argument("memory_id")
+    mem.set_defaults(func=cmd_memory)
+
     rp = sub.add_parser("replay", help="replay conversations: ab")
     rsub = rp.add_subparsers(dest="replay_command", required=True)
     ab = rsub.add_parser("ab", help="A (no eviction) vs B (a policy) on one long conversation")

@@ -129,3 +129,50 @@ async def test_postgres_backend_through_the_gateway(gateway: GatewayFactory) -> 
     finally:
         await conn.execute(f"DROP SCHEMA {schema} CASCADE")
         await conn.close()
+
+
+def test_memory_cli_round_trip(tmp_path: Path) -> None:
+    """memgate memory write / search / get against the embedded store."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(f"store:\n  path: {tmp_path / 'm.db'}\n")
+
+    def mg(*args: str) -> Any:
+        res = subprocess.run([sys.executable, "-m", "gateway", "memory", "--config", str(cfg),
+                              "--api-key", "k1", *args], capture_output=True, text=True,
+                             cwd=root, check=False, timeout=60)
+        assert res.returncode == 0, res.stderr
+        return orjson.loads(res.stdout)
+
+    made = mg("write", orjson.dumps({"memory_type": "message", "agent_id": "a",
+                                     "session_id": "s1", "ts": "2026-01-02T03:04:05+01:00",
+                                     "text": "预算 10 万"}).decode())
+    found = mg("search", "--filter", '{"session_id": "s1", "time_from": "2026-01-01T00:00:00Z"}',
+               "--query", "预算")
+    assert [r["memory_id"] for r in found] == [made["memory_id"]]
+    assert mg("get", made["memory_id"])["ts"] == "2026-01-02T02:04:05+00:00"
+
+
+def test_evict_offline_includes_recall(tmp_path: Path) -> None:
+    """memgate evict --json goes through recall too: the dropped answer comes back in the note."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(
+        "memory:\n  enable_eviction: true\n  budget: {max_tokens: 1200, max_chars: null, "
+        "max_messages: null, max_turns: null}\n"
+        f"store:\n  path: {tmp_path / 'm.db'}\n  recall: {{enabled: true, top_k: 2}}\n"
+        f"tokens:\n  models_file: {root / 'rules' / 'models.yaml'}\n")
+    payload = tmp_path / "p.json"
+    payload.write_bytes(orjson.dumps({"model": "gpt-4o-mini", "messages": conversation()}))
+    res = subprocess.run([sys.executable, "-m", "gateway", "evict", str(payload), "--config",
+                          str(cfg), "--json"], capture_output=True, text=True, cwd=root,
+                         check=False, timeout=60)
+    assert res.returncode == 0, res.stderr
+    msgs = orjson.loads(res.stdout)["messages"]
+    assert any("recalled: Our launch codename is BLUEHERON" in m["content"] for m in msgs)
