@@ -18,7 +18,8 @@ from .memory_api import routes as memory_routes
 from .metrics import Metrics
 from .reload import Reloader
 from .rules import Rules
-from .state import SessionRecord, SessionStore
+from .errors import RulesError
+from .state import MemoryState, RedisState
 from .tokens import Tokenizers
 from .upstream import UpstreamPool
 from .wire import PATHS
@@ -30,8 +31,7 @@ class GatewayState:
 
     reloader: Reloader
     tokenizers: Tokenizers
-    sessions: SessionStore[SessionRecord]
-    snapshots: SessionStore[dict[str, Any]]
+    sessions: MemoryState | RedisState
     metrics: Metrics = field(default_factory=Metrics)
     capture: Capture = field(default_factory=Capture)
     memory: MemoryService | None = None
@@ -60,6 +60,16 @@ def _preload_tokenizers(state: GatewayState, rules: Rules) -> None:
                        fallback=actual != wanted, models=",".join(models))
 
 
+def _session_state(rules: Rules, env: Mapping[str, str]) -> MemoryState | RedisState:
+    if rules.state.backend == "redis":
+        url = env.get(rules.state.redis_url_env, "")
+        if not url:
+            raise RulesError("env", None, rules.state.redis_url_env,
+                             "state.backend is redis but the Redis URL is not set")
+        return RedisState(url, rules.state.ttl_s, rules.state.key_prefix)
+    return MemoryState(rules.max_tracked_sessions)
+
+
 def create_app(
     rules: Rules,
     config_path: Path | None = None,
@@ -84,8 +94,7 @@ def create_app(
     state = GatewayState(
         reloader=reloader,
         tokenizers=Tokenizers(rules.token_cache_size),
-        sessions=SessionStore(rules.max_tracked_sessions),
-        snapshots=SessionStore(rules.max_tracked_sessions),
+        sessions=_session_state(rules, env or {}),
         log=log,
     )
     state.memory = MemoryService(env or {}, log)
@@ -125,6 +134,7 @@ def create_app(
                     except asyncio.CancelledError:
                         pass
             await state.pool.close()
+            await state.sessions.close()
 
     app.cleanup_ctx.append(resources)
     app.router.add_get("/healthz", handlers.healthz)

@@ -151,7 +151,8 @@ def decide(
         overhead = d.overhead_tokens() if d.budget_tokens is not None else 0
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
                       tokens_upper_bound=_bytes_bound(raw, d))
-        if d.mode == "on" and d.plan.dropped and _carry_note(d, rules, items, recalled):
+        if d.mode == "on" and (d.plan.dropped or recalled) and _carry_note(
+                d, rules, items, recalled):
             # the note is counted into the budget: plan again with what it leaves
             assert d.note is not None
             d.plan = plan(d.conv, _minus_note(prules, d), d.message_tokens,
@@ -169,7 +170,7 @@ def decide(
             )
     if d.plan is not None and d.plan.dropped:
         d.cache_marker_dropped = any(wire.has_cache_marker(items[i]) for i, _ in d.plan.dropped)
-    if d.mode == "on" and d.plan is not None and d.plan.dropped:
+    if d.mode == "on" and d.plan is not None and (d.plan.dropped or d.note):
         marker_at = None
         if d.cache_marker_dropped and rules.memory.eviction.move_cache_marker:
             marker_at = _end_of_stable_prefix(d.conv, d.plan)
@@ -190,7 +191,7 @@ def _carry_note(
     carry, patterns = rules.memory.carry, rules.memory.carry_patterns
     if d.conv is None:
         return False
-    if carry.enabled and patterns is not None:
+    if carry.enabled and patterns is not None and d.plan is not None and d.plan.dropped:
         wire = d.wire
         turn_of = {i: g.turn for g in d.conv.groups for i in g.indices}
         msgs = [Message(turn_of[i], wire.item_role(items[i]), wire.item_text(items[i]))

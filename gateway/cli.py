@@ -137,7 +137,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
         print(f"memgate evict: the gateway would answer {exc.status}: {exc.message}",
               file=sys.stderr)
         return 1
-    if rules.store.recall_enabled and d.mode == "on" and d.plan is not None and d.plan.dropped:
+    if rules.store.recall_enabled and d.mode == "on" and d.plan is not None:
         d = run_async(lambda: _recall_offline(d, rules, env, payload, tokenizers, wire))
     if args.json:
         sys.stdout.buffer.write(d.forward + b"\n")

@@ -147,8 +147,7 @@ def intercept(wire: Wire) -> Handler:
                 except orjson.JSONDecodeError:
                     payload = None
                 d = decide(raw, payload, rules, state.tokenizers, wire)
-                if (rules.store.recall_enabled and d.mode == "on" and d.plan is not None
-                        and d.plan.dropped):
+                if rules.store.recall_enabled and d.mode == "on" and d.plan is not None:
                     d = await _with_recall(state, request, rules, wire, d)
                 up = rules.upstream_for(request.path, d.model)
                 overhead_ms = (time.perf_counter() - t0) * 1000
@@ -162,7 +161,12 @@ def intercept(wire: Wire) -> Handler:
             info.stream = "client_gone"
             raise
         finally:
-            _log_mem(state, request, rules.session_header, wire, d, info, overhead_ms, rid)
+            try:
+                await _log_mem(state, request, rules.session_header, wire, d, info,
+                               overhead_ms, rid)
+            except Exception as exc:  # noqa: BLE001 - accounting must never fail a request
+                state.log.error("mem_log_failed", error=type(exc).__name__,
+                                detail=str(exc)[:200], req=rid)
 
     return handle
 
@@ -185,7 +189,7 @@ async def _with_recall(
     return decide(d.raw, d.payload, rules, state.tokenizers, wire, recalled=recalled)
 
 
-def _log_mem(
+async def _log_mem(
     state: GatewayState,
     request: web.Request,
     session_header: str,
@@ -201,7 +205,7 @@ def _log_mem(
     fields: dict[str, Any] = {"session": session}
     debug = state.rules.log_level == "debug"
     if d is not None and d.conv is not None and d.messages:
-        fields.update(_measure_session(state, tenant, session, d, debug))
+        fields.update(await _measure_session(state, tenant, session, d, debug))
     else:
         fields.update(mem_fields(d, include_indices=debug))
     fields.update(
@@ -225,7 +229,7 @@ def _log_mem(
             archive_records(d, tenant, session, agent, state.rules.store))
     if d is not None and d.note is not None and d.snapshot is not None:
         fields["carried"] = d.snapshot.count
-        state.snapshots.put(tenant, session, d.snapshot.fields)
+        await state.sessions.put_snapshot(tenant, session, d.snapshot.fields)
         if state.rules.memory.carry.log_skipped:
             for what, reason in d.snapshot.skipped:
                 log.info("carry_skip", session=session, field=what, reason=reason, req=rid)
@@ -243,7 +247,7 @@ def _log_mem(
                           fields.get("est_tokens") if d is not None and d.conv else None)
 
 
-def _measure_session(
+async def _measure_session(
     state: GatewayState, tenant: str, session: str, d: Decision, debug: bool
 ) -> dict[str, Any]:
     """[mem] fields for a parsed history, reusing the session's previous request.
@@ -253,7 +257,7 @@ def _measure_session(
     with last time (cut=none|kept|moved, prefix_tokens).
     """
     msgs = d.messages
-    prev = state.sessions.get(tenant, session)
+    prev = await state.sessions.get_record(tenant, session)
     known, known_tokens = known_prefix(prev, msgs)
     grown = prev is not None and known == prev.n_messages
     msg_tokens = known_tokens + sum(d.message_tokens(i) for i in range(known, len(msgs)))
@@ -265,7 +269,7 @@ def _measure_session(
         status, same = compare_cut(prev, grown, kept, cut)
         fields.update(cut=status, prefix_tokens=sum(d.message_tokens(i) for i in kept[:same]))
     n = len(msgs)
-    state.sessions.put(
+    await state.sessions.put_record(
         tenant, session,
         SessionRecord(
             kept=kept, n_messages=n, last=fingerprint(msgs[-1]), cut=cut, msg_tokens=msg_tokens,
@@ -323,7 +327,7 @@ async def admin_session_memory(request: web.Request) -> web.Response:
                                             "type": "gateway_error", "code": "unauthorized"}},
                                  status=401)
     session = request.match_info["session"]
-    found = state.snapshots.find(session)
+    found = await state.sessions.find_snapshots(session)
     if not found:
         return web.json_response({"error": {"message": f"no snapshot for session {session!r}",
                                             "type": "gateway_error", "code": "not_found"}},

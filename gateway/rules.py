@@ -108,6 +108,14 @@ class CaptureRules:
 
 
 @dataclass(frozen=True, slots=True)
+class StateRules:
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url_env: str = "MEMGATE_REDIS_URL"
+    ttl_s: int = 86400
+    key_prefix: str = "memgate"
+
+
+@dataclass(frozen=True, slots=True)
 class Rules:
     memory: Memory = field(default_factory=Memory)
     upstreams: tuple[Upstream, ...] = (
@@ -126,6 +134,7 @@ class Rules:
     approx_token_factor: float = 1.15
     capture: CaptureRules = field(default_factory=CaptureRules)
     store: StoreRules = field(default_factory=StoreRules)
+    state: StateRules = field(default_factory=StateRules)
     models: tuple[ModelInfo, ...] = ()
     default_encoding: str = "cl100k_base"
     default_context_window: int = 8192
@@ -555,7 +564,7 @@ def build_rules(
         data if data is not None else {},
         "",
         {"memory", "upstreams", "listen", "logging", "limits", "session", "tokens", "capture",
-         "store"},
+         "store", "state"},
     )
     memory, carry_path = _parse_memory(r, top.get("memory"), base_dir)
     c = r.section(top.get("capture"), "capture",
@@ -576,6 +585,13 @@ def build_rules(
     tokens = r.section(top.get("tokens"), "tokens", {"cache_size", "models_file", "approx_factor"})
 
     store = _parse_store(r, top.get("store"))
+    st = r.section(top.get("state"), "state", {"backend", "redis_url_env", "ttl_s", "key_prefix"})
+    state = StateRules(
+        backend=r.get(st, "state", "backend", _str(("memory", "redis")), "memory"),
+        redis_url_env=r.get(st, "state", "redis_url_env", _str(), "MEMGATE_REDIS_URL"),
+        ttl_s=r.get(st, "state", "ttl_s", _int(60), 86400),
+        key_prefix=r.get(st, "state", "key_prefix", _str(), "memgate"),
+    )
     models: tuple[ModelInfo, ...] = ()
     default_encoding, default_window = "cl100k_base", 8192
     models_file = r.get(tokens, "tokens", "models_file", _str(), None)
@@ -603,6 +619,7 @@ def build_rules(
         approx_token_factor=r.get(tokens, "tokens", "approx_factor", _float(0.5, 3.0), 1.15),
         capture=capture,
         store=store,
+        state=state,
         models=models,
         default_encoding=default_encoding,
         default_context_window=default_window,

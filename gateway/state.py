@@ -66,6 +66,81 @@ class SessionStore(Generic[T]):
         return {t: v for (t, s), v in self._records.items() if s == session}
 
 
+class MemoryState:
+    """Per-session state in this process (the embedded default)."""
+
+    backend = "memory"
+
+    def __init__(self, max_sessions: int) -> None:
+        self.records: SessionStore[SessionRecord] = SessionStore(max_sessions)
+        self.snapshots: SessionStore[dict[str, Any]] = SessionStore(max_sessions)
+
+    async def get_record(self, tenant: str, session: str) -> SessionRecord | None:
+        return self.records.get(tenant, session)
+
+    async def put_record(self, tenant: str, session: str, rec: SessionRecord) -> None:
+        self.records.put(tenant, session, rec)
+
+    async def put_snapshot(self, tenant: str, session: str, fields: dict[str, Any]) -> None:
+        self.snapshots.put(tenant, session, fields)
+
+    async def find_snapshots(self, session: str) -> dict[str, dict[str, Any]]:
+        return self.snapshots.find(session)
+
+    async def close(self) -> None:
+        return None
+
+
+class RedisState:
+    """Per-session state in Redis, shared by every replica (keys expire after ttl_s)."""
+
+    backend = "redis"
+
+    def __init__(self, url: str, ttl_s: int, prefix: str = "memgate") -> None:
+        import redis.asyncio as redis
+
+        self.client = redis.from_url(url)
+        self.ttl_s = ttl_s
+        self.prefix = prefix
+
+    def _key(self, kind: str, tenant: str, session: str) -> str:
+        return f"{self.prefix}:{kind}:{tenant}:{session}"
+
+    async def get_record(self, tenant: str, session: str) -> SessionRecord | None:
+        raw = await self.client.get(self._key("rec", tenant, session))
+        if raw is None:
+            return None
+        d = orjson.loads(raw)
+        return SessionRecord(kept=tuple(d["kept"]), n_messages=d["n"], last=bytes.fromhex(d["last"]),
+                             cut=d["cut"], msg_tokens=d["tok"],
+                             before_last=bytes.fromhex(d["before_last"]),
+                             msg_tokens_before_last=d["tok_before_last"])
+
+    async def put_record(self, tenant: str, session: str, rec: SessionRecord) -> None:
+        value = orjson.dumps({"kept": rec.kept, "n": rec.n_messages, "last": rec.last.hex(),
+                              "cut": rec.cut, "tok": rec.msg_tokens,
+                              "before_last": rec.before_last.hex(),
+                              "tok_before_last": rec.msg_tokens_before_last})
+        await self.client.set(self._key("rec", tenant, session), value, ex=self.ttl_s)
+
+    async def put_snapshot(self, tenant: str, session: str, fields: dict[str, Any]) -> None:
+        await self.client.set(self._key("snap", tenant, session), orjson.dumps(fields),
+                              ex=self.ttl_s)
+
+    async def find_snapshots(self, session: str) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        pattern = f"{self.prefix}:snap:*:{session}"
+        async for key in self.client.scan_iter(match=pattern, count=500):
+            raw = await self.client.get(key)
+            tenant = key.decode().split(":")[2]
+            if raw is not None and key.decode() == self._key("snap", tenant, session):
+                out[tenant] = orjson.loads(raw)
+        return out
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
 def appended(prev: SessionRecord | None, messages: Sequence[Any]) -> bool:
     """Is this history the previous one with messages appended (what clients send)?"""
     return (

@@ -96,7 +96,7 @@ async def test_sessions_are_kept_apart_by_tenant(
     ) as r:
         await r.read()
     assert gw.mem_events()[-1]["cut"] == "moved"  # nothing known for this tenant's session
-    assert len(gw.state.sessions) == 2
+    assert len(gw.state.sessions.records) == 2
 
 
 async def test_est_tokens_reused_when_the_last_message_is_replaced(

@@ -1,0 +1,101 @@
+"""Two gateway replicas sharing Redis (session state) and PostgreSQL (memory store)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from .conftest import SECRET, GatewayFactory, Upstream
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_DSN = os.environ.get("MEMGATE_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("MEMGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def history(turns: int) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a data assistant."},
+        {"role": "user", "content": "Summarize last week's orders in /data/orders by status and "
+                                    "write it to report_0421.csv. Project codename KESTREL."},
+        {"role": "assistant", "content": "Grouping by status. Should I exclude cancelled orders?"},
+        {"role": "user", "content": "Don't exclude them, run it on that path."},
+        {"role": "assistant", "content": "Running."},
+    ]
+    for t in range(turns):
+        msgs += [{"role": "user", "content": f"Progress {t}? " + "details please. " * 25},
+                 {"role": "assistant", "content": f"Step {t} is still running. " * 25}]
+    return msgs
+
+
+@pytest.fixture
+async def shared(gateway: GatewayFactory) -> Any:
+    import asyncpg
+    import redis.asyncio as redis
+
+    prefix = f"memgate-test-{uuid.uuid4().hex[:8]}"
+    schema = f"memgate_t_{uuid.uuid4().hex[:10]}"
+    conn = await asyncpg.connect(PG_DSN)
+    await conn.execute(f"CREATE SCHEMA {schema}")
+    env = {"MEMGATE_REDIS_URL": REDIS_URL,
+           "MEMGATE_STORE_DSN": f"{PG_DSN}?options=-csearch_path%3D{schema}",
+           "MEMGATE_ADMIN_TOKEN": "adm"}
+    memory = {"enable_eviction": True,
+              "budget": {"max_tokens": 1500, "max_chars": None, "max_messages": None,
+                         "max_turns": None},
+              "carry": {"enabled": True, "rules_file": str(ROOT / "rules" / "carry.yaml")}}
+    top = {"state": {"backend": "redis", "key_prefix": prefix},
+           "store": {"backend": "postgres", "archive": "evicted",
+                     "recall": {"enabled": True, "top_k": 2}}}
+    a = await gateway(memory=memory, env=env, **top)
+    b = await gateway(memory=memory, env=env, **top)
+    yield a, b
+    r = redis.from_url(REDIS_URL)
+    async for key in r.scan_iter(match=f"{prefix}:*"):
+        await r.delete(key)
+    await r.aclose()
+    await conn.execute(f"DROP SCHEMA {schema} CASCADE")
+    await conn.close()
+
+
+async def post(url: str, messages: list[dict[str, Any]]) -> None:
+    async with aiohttp.ClientSession() as s, s.post(
+        f"{url}/v1/chat/completions", data=orjson.dumps({"model": "gpt-4o-mini",
+                                                         "messages": messages}),
+        headers={"Authorization": f"Bearer {SECRET}", "X-Session-Id": "s-shared"},
+    ) as r:
+        assert r.status == 200
+        await r.read()
+
+
+async def test_a_session_continues_across_replicas(shared: Any, upstream: Upstream) -> None:
+    """Request 1 on replica A, request 2 on replica B: B knows A's cut and token sums, shows
+    A's carry snapshot, and recalls the turn A archived — even when the client trimmed it."""
+    a, b = shared
+    first = [*history(20), {"role": "user", "content": "Any blockers?"}]
+    await post(a.url, first)
+    await a.state.memory.queue.join()  # A's write-behind archive reached PostgreSQL
+    second = [*first, {"role": "assistant", "content": "None."},
+              {"role": "user", "content": "Thanks, keep going."}]
+    await post(b.url, second)
+    ev_a, ev_b = (await a.wait_mem(1))[-1], (await b.wait_mem(1))[-1]
+    assert int(ev_a["archived"]) > 0 and int(ev_a["dropped"]) > 0
+    assert ev_b["cut"] in ("kept", "moved") and int(ev_b["prefix_tokens"]) > 0
+    async with aiohttp.ClientSession() as s, s.get(
+            f"{b.url}/admin/sessions/s-shared/memory",
+            headers={"X-Memgate-Admin-Token": "adm"}) as r:
+        snap = (await r.json())["tenants"]
+    assert r.status == 200 and next(iter(snap.values()))["output_file"] == "report_0421.csv"
+    # a client that trimmed its own history: only B's store recall can bring KESTREL back
+    trimmed = [first[0], *history(20)[-6:],
+               {"role": "user", "content": "What is the project codename again?"}]
+    await post(b.url, trimmed)
+    sent = orjson.loads(upstream.received[-1]["raw"])["messages"]
+    assert "KESTREL" not in " ".join(str(m["content"]) for m in trimmed)
+    assert any("KESTREL" in str(m["content"]) for m in sent)
+    assert int((await b.wait_mem(2))[-1]["recalled"]) >= 1
