@@ -316,7 +316,13 @@ async def admin_session_memory(request: web.Request) -> web.Response:
     the X-Memgate-Admin-Token header; without a configured token the route is off.
     """
     state: GatewayState = request.app[STATE]
-    token = state.reloader.env.get("MEMGATE_ADMIN_TOKEN", "")
+    env = state.reloader.env
+    if request.remote not in ("127.0.0.1", "::1") and env.get("MEMGATE_ADMIN_ALLOW_REMOTE") != "1":
+        return web.json_response({"error": {"message": "admin API is loopback-only (set "
+                                            "MEMGATE_ADMIN_ALLOW_REMOTE=1 to open it)",
+                                            "type": "gateway_error", "code": "forbidden"}},
+                                 status=403)
+    token = env.get("MEMGATE_ADMIN_TOKEN", "")
     given = request.headers.get("X-Memgate-Admin-Token", "")
     if not token:
         return web.json_response({"error": {"message": "admin API disabled: set "
