@@ -146,7 +146,7 @@ def keep_pinned(st: _State) -> None:
     ranked: list[tuple[tuple[int, float, int], int]] = []
     n_active: dict[int, int] = {}
     for g, grp in enumerate(st.conv.groups):
-        if st.decision[g] is not None:
+        if not grp.pins or st.decision[g] is not None:
             continue
         active = [
             p for _, p in grp.pins if is_active(p, grp.turn, cur, st.rules.min_score)
@@ -187,9 +187,10 @@ def keep_recent_turns(st: _State) -> None:
         return
     step = max(1, math.ceil((1.0 - st.rules.low_water) * limit))
     oldest_allowed = 1 + step * math.ceil((need - 1) / step)
-    for g, grp in enumerate(st.conv.groups):
-        if grp.turn < oldest_allowed:
-            st.drop(g, "recent_turns")
+    for g, grp in enumerate(st.conv.groups):  # groups are in turn order
+        if grp.turn >= oldest_allowed:
+            break
+        st.drop(g, "recent_turns")
 
 
 def fit_length_budget(st: _State) -> None:
@@ -360,7 +361,10 @@ def plan(
         overhead_tokens + sum(tokens_of(i) for i in conv.fixed) if st.count_tokens else 0
     )
     st.tokens_used = fixed_tokens
-    current = [g for g, grp in enumerate(groups) if grp.turn == conv.n_turns]
+    first_current = len(groups)
+    while first_current and groups[first_current - 1].turn == conv.n_turns:
+        first_current -= 1
+    current = range(first_current, len(groups))
     st.keep(current, "current")
     for name in rules.order:
         STAGES[name](st)

@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""memgate vs a bare aiohttp passthrough, same fast local upstream, one run (loopback only).
+
+    python tests/perf/bench_gateway.py [--seconds 3] [--wrk]
+
+Starts a fixed-answer upstream, a bare aiohttp passthrough and memgate (eviction
+off, then on with a budget that evicts medium and larger payloads) as separate
+processes, and reports per payload size the p50 latency at concurrency 1 and
+the throughput at concurrency 16 as ratios against the passthrough measured in
+the same run; then a growing session (gateway CPU per request at turn 10 vs
+turn 1,000, warm) and a cold 1 MB history (time to first byte, nothing cached).
+Bounded in time; everything stops by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+ROOT = Path(__file__).resolve().parents[2]
+REPLY = orjson.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                      "choices": [{"index": 0, "finish_reason": "stop",
+                                   "message": {"role": "assistant", "content": "ok"}}]})
+UPSTREAM = f"""
+from aiohttp import web
+async def h(r):
+    await r.read()
+    return web.Response(body={REPLY!r}, content_type="application/json")
+app = web.Application(client_max_size=1 << 30)
+app.router.add_route("*", "/{{t:.*}}", h)
+web.run_app(app, host="127.0.0.1", port=int(__import__("sys").argv[1]), print=None,
+            access_log=None)
+"""
+PASSTHROUGH = """
+import sys
+from aiohttp import ClientSession, TCPConnector, web
+UP = sys.argv[2]
+HOP = {"connection", "keep-alive", "transfer-encoding", "host", "content-length"}
+async def proxy(request):
+    body = await request.read()
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+    async with request.app["s"].request(request.method, UP + request.path_qs, data=body,
+                                        headers=headers) as up:
+        resp = web.StreamResponse(status=up.status)
+        for k, v in up.headers.items():
+            if k.lower() not in HOP:
+                resp.headers.add(k, v)
+        await resp.prepare(request)
+        async for chunk in up.content.iter_any():
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+async def start(app):
+    app["s"] = ClientSession(connector=TCPConnector(limit=0), auto_decompress=False)
+async def stop(app):
+    await app["s"].close()
+app = web.Application(client_max_size=1 << 30)
+app.on_startup.append(start)
+app.on_cleanup.append(stop)
+app.router.add_route("*", "/{t:.*}", proxy)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+SIZES = {"small": 10, "medium": 60, "large": 300, "huge": 1500}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def history(n: int, seed: int = 1) -> list[dict[str, Any]]:
+    rnd = random.Random(seed)
+    words = "gateway token cache stream tool result 订单 汇总 budget history evict".split()
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are helpful. " * 20}]
+    while len(msgs) < n:
+        t = len(msgs)
+        msgs.append({"role": "user", "content": " ".join(rnd.choices(words, k=60)) + f" #{t}"})
+        if t % 4 == 1:
+            msgs.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"c{t}", "type": "function",
+                 "function": {"name": "read", "arguments": '{"p": "/src/x.py"}'}}]})
+            msgs.append({"role": "tool", "tool_call_id": f"c{t}",
+                         "content": " ".join(rnd.choices(words, k=200))})
+        msgs.append({"role": "assistant", "content": " ".join(rnd.choices(words, k=80))})
+    return msgs[:n] if msgs[n - 1]["role"] != "tool" else msgs[: n - 2]
+
+
+def body(msgs: list[dict[str, Any]], tag: str = "") -> bytes:
+    return orjson.dumps({"model": "gpt-4o-mini", "messages": [
+        *msgs, {"role": "user", "content": f"{tag} and now?"}]})
+
+
+class Proc:
+    def __init__(self, args: list[str], port: int, env: dict[str, str] | None = None) -> None:
+        self.port = port
+        self.p = subprocess.Popen(args, env={**os.environ, **(env or {})},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"{args} did not start")
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        os.killpg(self.p.pid, signal.SIGTERM)
+        try:
+            self.p.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.p.pid, signal.SIGKILL)
+
+
+async def latency(url: str, payload: bytes, seconds: float) -> float:
+    samples: list[float] = []
+    async with aiohttp.ClientSession() as s:
+        end = time.perf_counter() + seconds
+        n = 0
+        while time.perf_counter() < end:
+            data = payload.replace(b"and now?", f"and now {n}?".encode())
+            t0 = time.perf_counter()
+            async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+                await r.read()
+                assert r.status == 200, r.status
+            samples.append(time.perf_counter() - t0)
+            n += 1
+    return statistics.median(samples) * 1000
+
+
+async def throughput(url: str, payload: bytes, seconds: float, conc: int = 16) -> float:
+    done = 0
+    end = time.perf_counter() + seconds
+
+    async def worker(s: aiohttp.ClientSession, k: int) -> None:
+        nonlocal done
+        n = 0
+        while time.perf_counter() < end:
+            data = payload.replace(b"and now?", f"and now {k}-{n}?".encode())
+            async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+                await r.read()
+            done += 1
+            n += 1
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        await asyncio.gather(*(worker(s, k) for k in range(conc)))
+    return done / seconds
+
+
+async def ttfb(url: str, payload: bytes) -> float:
+    async with aiohttp.ClientSession() as s:
+        t0 = time.perf_counter()
+        async with s.post(url, data=payload, headers={"Content-Type": "application/json"}) as r:
+            await r.content.readany()
+            return (time.perf_counter() - t0) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    args = ap.parse_args()
+    py = sys.executable
+    up = Proc([py, "-c", UPSTREAM, str(port := free_port())], port)
+    upstream = f"http://127.0.0.1:{up.port}"
+    procs = [up]
+    try:
+        pt = Proc([py, "-c", PASSTHROUGH, str(p := free_port()), upstream], p)
+        procs.append(pt)
+        targets = {"passthrough": pt}
+        for name, env in (("memgate-off", {"MEMGATE_ENABLE_EVICTION": "0"}),
+                          ("memgate-on", {"MEMGATE_ENABLE_EVICTION": "1"})):
+            port = free_port()
+            targets[name] = Proc([py, "-m", "gateway", "serve", "--port", str(port),
+                                  "--upstream", upstream], port, {**env, "MEMGATE_LOG_FORMAT":
+                                                                  "json"})
+            procs.append(targets[name])
+        payloads = {k: body(history(n)) for k, n in SIZES.items()}
+        print(f"{'payload':<8} {'bytes':>9} | " + " | ".join(
+            f"{t:>11} p50 ms  rps" for t in targets) + " | on/pt p50  on/pt rps  off/pt p50")
+        for name, payload in payloads.items():
+            row = {}
+            for t, proc in targets.items():
+                url = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
+                asyncio.run(latency(url, payload, 0.5))  # warm-up
+                row[t] = (asyncio.run(latency(url, payload, args.seconds)),
+                          asyncio.run(throughput(url, payload, args.seconds)))
+            pt_l, pt_r = row["passthrough"]
+            print(f"{name:<8} {len(payload):>9} | " + " | ".join(
+                f"{lat:>11.3f} {rps:>8.0f}" for lat, rps in row.values())
+                + f" | {row['memgate-on'][0] / pt_l:>9.2f} {row['memgate-on'][1] / pt_r:>10.2f}"
+                  f" {row['memgate-off'][0] / pt_l:>11.2f}")
+        on = targets["memgate-on"]
+        url = f"http://127.0.0.1:{on.port}/v1/chat/completions"
+        print("\ngrowing session (memgate-on, warm): gateway CPU per request")
+        for turns in (10, 100, 1000):
+            msgs = history(turns * 2, seed=turns)
+            asyncio.run(latency(url, body(msgs), 0.3))
+            c0, n = on.cpu_s(), 0
+            end = time.time() + args.seconds
+
+            async def grow() -> int:
+                k = 0
+                async with aiohttp.ClientSession() as s:
+                    while time.time() < end:
+                        h = [*msgs, {"role": "user", "content": f"step {k}"},
+                             {"role": "assistant", "content": f"done {k}"}]
+                        async with s.post(url, data=body(h)) as r:
+                            await r.read()
+                        k += 1
+                return k
+
+            n = asyncio.run(grow())
+            print(f"  history {turns * 2:>5} messages: {(on.cpu_s() - c0) / n * 1000:.3f} ms CPU"
+                  f" per request ({n} requests)")
+        print("\ncold 1 MB history (nothing cached): time to first byte")
+        for t, proc in targets.items():
+            u = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
+            vals = [asyncio.run(ttfb(u, body(history(1500, seed=100 + i), f"cold{i}")))
+                    for i in range(5)]
+            print(f"  {t:<12} {statistics.median(vals):8.2f} ms")
+    finally:
+        for p in procs:
+            p.stop()
+
+
+if __name__ == "__main__":
+    main()
