@@ -48,6 +48,9 @@ class Plan:
     over_budget: bool
     kept_tokens: int | None  # None when the decision needed no token count
     kept_chars: int
+    # low_water < 1 but no checkpoint's tail fitted (system + pins + the current turn take
+    # more than the low-water share): the cut fell back to a newest-first fill
+    fill_fallback: bool = False
 
     @property
     def evict(self) -> str:
@@ -77,6 +80,7 @@ class _State:
     turn_anchor: dict[int, int] = field(default_factory=dict)  # turn -> its user group
     group_tokens: list[int] = field(default_factory=list)  # -1 = not counted yet
     pinned_overflow: int = 0
+    fill_fallback: bool = False
     max_tokens: int = _NO_LIMIT
     max_chars: int = _NO_LIMIT
     max_messages: int = _NO_LIMIT
@@ -205,6 +209,7 @@ def fit_length_budget(st: _State) -> None:
             by_turn.setdefault(grp.turn, []).append(g)
     turns = sorted(by_turn, reverse=True)
     cut = _stepped_cut(st, by_turn) if st.rules.low_water < 1.0 and turns else None
+    st.fill_fallback = st.rules.low_water < 1.0 and bool(turns) and cut is None
     full = False
     for turn in turns:
         gs = by_turn[turn]
@@ -398,6 +403,7 @@ def plan(
         over_budget=over,
         kept_tokens=kept_tokens if st.count_tokens else None,
         kept_chars=kept_chars,
+        fill_fallback=st.fill_fallback and bool(dropped),
     )
 
 

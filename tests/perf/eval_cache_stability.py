@@ -68,7 +68,7 @@ def replay(sessions: list[list[dict[str, Any]]], budget: int, low_water: float,
         "max_tokens": budget, "max_chars": None, "max_messages": None, "max_turns": None},
         "eviction": {"low_water": low_water}},
         "tokens": {"models_file": "rules/models.yaml"}}, base_dir=ROOT)
-    changed = follow = over = 0
+    changed = follow = over = fallback = 0
     reused: list[float] = []
     forwarded: list[int] = []
     for msgs in sessions:
@@ -85,6 +85,7 @@ def replay(sessions: list[list[dict[str, Any]]], budget: int, low_water: float,
             forwarded.append(sum(tokens) + d.overhead_tokens())
             if d.plan.over_budget:
                 over += 1
+            fallback += d.plan.fill_fallback
             if prev is not None:
                 follow += 1
                 same = 0
@@ -100,6 +101,7 @@ def replay(sessions: list[list[dict[str, Any]]], budget: int, low_water: float,
         "reused": statistics.mean(reused) if reused else 0.0,
         "fwd_tokens": statistics.mean(forwarded),
         "over": over,
+        "fallback": fallback,
     }
 
 
@@ -107,14 +109,14 @@ def table(title: str, sessions: list[list[dict[str, Any]]], budgets: list[int],
           tools: list[Any] | None = None) -> None:
     print(f"\n### {title}\n")
     print("| budget | policy | requests | prefix changed | 1 in N | prefix tokens reused |"
-          " tokens forwarded | over budget |")
-    print("|---|---|---|---|---|---|---|---|")
+          " tokens forwarded | over budget | fill fallback |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for budget in budgets:
         for name, lw in (("sliding (low_water 1.0)", 1.0), ("stepped (low_water 0.6)", 0.6)):
             r = replay(sessions, budget, lw, tools)
             one_in = f"{1 / r['changed']:.1f}" if r["changed"] else "-"
             print(f"| {budget} | {name} | {r['requests']} | {r['changed']:.1%} | {one_in} |"
-                  f" {r['reused']:.1%} | {r['fwd_tokens']:.0f} | {r['over']} |")
+                  f" {r['reused']:.1%} | {r['fwd_tokens']:.0f} | {r['over']} | {r['fallback']} |")
 
 
 def main() -> None:
