@@ -11,6 +11,7 @@ this shape. Nothing here does I/O.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,7 @@ def content_chars(content: Any) -> int:
     return len(orjson.dumps(content).decode("utf-8"))
 
 
+@functools.lru_cache(maxsize=100_000)
 def approx_tokens(s: str) -> int:
     """~4 ASCII characters per token, ~1 token per CJK character; no tokenizer."""
     n = len(s)

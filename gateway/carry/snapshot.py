@@ -9,7 +9,9 @@ turn needs. Pure: no I/O; what was skipped is returned for the caller to log.
 
 from __future__ import annotations
 
+import functools
 import re
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,11 +97,54 @@ def _refs_in(p: CarryPatterns, text: str) -> list[tuple[str, str]]:
     return [(t, v) for _, t, v in sorted(found)]
 
 
+@dataclass(frozen=True, slots=True)
+class _Extract:
+    """What the patterns find in one message (cached: a history is re-read every request)."""
+
+    small_talk: bool
+    deictics: tuple[tuple[int, str], ...]  # (index in patterns.deictics, phrase)
+    refs: tuple[tuple[str, str], ...]
+    create: bool
+    ask: bool
+    close: bool
+    output: bool
+    question: str
+    first_clause: str
+
+
+_PATTERNS: list[CarryPatterns] = []  # the patterns the extraction cache was filled with
+
+
+def _extract(p: CarryPatterns, role: str, text: str) -> _Extract:
+    if not _PATTERNS or _PATTERNS[0] is not p:  # a reload: start a fresh cache
+        _PATTERNS[:] = [p]
+        _extract_cached.cache_clear()
+    return _extract_cached(role, text)
+
+
+@functools.lru_cache(maxsize=50_000)
+def _extract_cached(role: str, text: str) -> _Extract:
+    p = _PATTERNS[0]
+    user = role == "user"
+    return _Extract(
+        small_talk=user and p.small_talk.match(text) is not None,
+        deictics=tuple((k, m.group(0)) for k, d in enumerate(p.deictics)
+                       for m in d.pattern.finditer(text)) if user else (),
+        refs=tuple(_refs_in(p, text)),
+        create=user and p.create.search(text) is not None,
+        ask=not user and p.ask.search(text) is not None,
+        close=not user and p.close.search(text) is not None,
+        output=user and p.output_verbs.search(text) is not None,
+        question="" if user else _sentences_with_question(text),
+        first_clause=_first_clause(text) if user else "",
+    )
+
+
 class _Fold:
     def __init__(self, p: CarryPatterns) -> None:
         self.p = p
         self.refs: dict[tuple[str, str], _Ref] = {}
-        self.order: list[tuple[str, str]] = []  # mention order, latest last
+        self.order: OrderedDict[tuple[str, str], None] = OrderedDict()  # latest last
         self.resolved: dict[str, str] = {}
         self.ambiguous: list[str] = []
         self.dropped_candidates: list[str] = []
@@ -117,8 +162,8 @@ class _Fold:
             self.refs[key] = _Ref(rtype, value, turn, turn)
         else:
             ref.last_turn = turn
-            self.order.remove(key)
-        self.order.append(key)
+        self.order[key] = None
+        self.order.move_to_end(key)
 
     def _candidates(self, rtype: str) -> list[_Ref]:
         return [self.refs[k] for k in self.order if k[0] == rtype]
@@ -141,7 +186,7 @@ class _Fold:
                 if other is not None:  # the unchosen candidate: keep only its identifier
                     self.dropped_candidates.append(other.value)
                     self.refs.pop((other.type, other.value), None)
-                    self.order.remove((other.type, other.value))
+                    self.order.pop((other.type, other.value), None)
                 return True
             if d.type != "any":
                 break
@@ -149,38 +194,34 @@ class _Fold:
         return False
 
     def add(self, m: Message) -> None:
-        p, text = self.p, m.text
+        text = m.text
         if m.role == "tool":
             if text.strip():
                 self.tool_results = [*self.tool_results[-2:], text.strip().splitlines()[0][:160]]
             return
-        if m.role == "user" and p.small_talk.match(text):
+        x = _extract(self.p, m.role, text)
+        if x.small_talk:
             self.skipped.append((f"turn {m.turn}", "small_talk_only"))
             return
-        resolved_now: list[str] = []
-        if m.role == "user":
-            for d in p.deictics:
-                for match in d.pattern.finditer(text):
-                    if self._resolve(d, match.group(0), m.turn):
-                        resolved_now.append(match.group(0))
-        found = _refs_in(p, text)
-        for rtype, value in found:
+        resolved_now = [phrase for k, phrase in x.deictics
+                        if self._resolve(self.p.deictics[k], phrase, m.turn)]
+        for rtype, value in x.refs:
             self._mention(rtype, value, m.turn)
-        files = [v for t, v in found if t == "file"]
+        files = [v for t, v in x.refs if t == "file"]
         if m.role == "user":
             if self.pending_question is not None:
-                self.constraints.append(f"{self.pending_question} → {_first_clause(text)}")
+                self.constraints.append(f"{self.pending_question} → {x.first_clause}")
                 self.pending_question = None
                 self.task_state = "in_progress"
-            elif p.create.search(text) and (found or resolved_now):
+            elif x.create and (x.refs or resolved_now):
                 self.task_state = "created"
-            if files and p.output_verbs.search(text):
+            if files and x.output:
                 self.output_file = files[-1]
         elif m.role == "assistant":
-            if p.ask.search(text) and self.task_state in ("created", "in_progress"):
-                self.pending_question = _sentences_with_question(text)
+            if x.ask and self.task_state in ("created", "in_progress"):
+                self.pending_question = x.question
                 self.task_state = "awaiting_user"
-            elif p.close.search(text) and self.task_state is not None:
+            elif x.close and self.task_state is not None:
                 self.task_state = "closed"
                 self.pending_question = None
 
