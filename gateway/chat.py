@@ -153,10 +153,12 @@ def decide(
                       tokens_upper_bound=_bytes_bound(raw, d))
         if d.mode == "on" and (d.plan.dropped or recalled) and _carry_note(
                 d, rules, items, recalled):
-            # the note is counted into the budget: plan again with what it leaves
+            # the note is counted into the budget: plan again unless it fits the slack
+            # the cut left (with a low-water cut it usually does)
             assert d.note is not None
-            d.plan = plan(d.conv, _minus_note(prules, d), d.message_tokens,
-                          overhead_tokens=overhead)
+            narrower = _minus_note(prules, d)
+            if not _fits(d.plan, narrower.limits):
+                d.plan = plan(d.conv, narrower, d.message_tokens, overhead_tokens=overhead)
         if (
             d.mode == "on"
             and d.plan.over_budget
@@ -213,6 +215,14 @@ def _minus_note(prules: PlanRules, d: Decision) -> PlanRules:
         max_messages=None if lim.max_messages is None else max(1, lim.max_messages - 1),
         max_turns=lim.max_turns,
     ))
+
+
+def _fits(p: Plan, lim: Limits) -> bool:
+    return (
+        (lim.max_tokens is None or (p.kept_tokens is not None and p.kept_tokens <= lim.max_tokens))
+        and (lim.max_chars is None or p.kept_chars <= lim.max_chars)
+        and (lim.max_messages is None or len(p.kept) <= lim.max_messages)
+    )
 
 
 def _current_turn_start(conv: Conversation | None) -> int | None:
