@@ -18,6 +18,9 @@ from typing import Any
 import orjson
 
 
+META_KEY = "memgate"  # gateway metadata on a message: {"pin", "score", "ttl"}, never forwarded
+
+
 class Unplannable(Exception):
     """The history is valid JSON but not something eviction may touch safely.
 
@@ -138,6 +141,34 @@ def pin_of(meta_pin: Pin | None, text: str | None, prefix: str, min_score: float
     if meta_pin.score is not None:  # below threshold: still ranks in the score stage
         return Pin(explicit=False, score=meta_pin.score, ttl=meta_pin.ttl)
     return None
+
+
+def message_pin(
+    m: dict[str, Any], where: str, text: str | None, prefix: str, min_score: float
+) -> tuple[Pin | None, bool]:
+    """(effective pin, whether gateway metadata was present) of one message."""
+    meta = None
+    has_meta = META_KEY in m
+    if has_meta:
+        meta = read_metadata(m[META_KEY], f"{where}.{META_KEY}")
+    if meta is None and not (text and text.lstrip().startswith(prefix)):
+        return None, has_meta
+    return pin_of(meta, text, prefix, min_score), has_meta
+
+
+def merge_into(groups: list[Group], g: int, open_calls: dict[str, int]) -> None:
+    """Results separated from their call by other messages: groups g..end become one
+    atomic span (the call, what came between, and the results)."""
+    merged = groups[g]
+    for later in groups[g + 1 :]:
+        merged.indices.extend(later.indices)
+        merged.pins.extend(later.pins)
+        merged.chars += later.chars
+        merged.weight += later.weight
+    del groups[g + 1 :]
+    for k, v in open_calls.items():
+        if v > g:
+            open_calls[k] = g
 
 
 def is_active(pin: Pin, own_turn: int, current_turn: int, min_score: float) -> bool:

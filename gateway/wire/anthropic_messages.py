@@ -19,11 +19,10 @@ from ..conversation import (
     approx_weight,
     content_chars,
     first_text,
-    pin_of,
-    read_metadata,
+    message_pin,
 )
 from ..tokens import PER_MEDIA_PART, PER_MESSAGE, REPLY_PRIMING, TokenCounter
-from .base import META_KEY, Wire, json_text
+from .base import Wire, json_text
 
 ROLES = ("user", "assistant")
 
@@ -59,14 +58,9 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
         n_chars = content_chars(content)
         chars.append(n_chars)
         media += sum(1 for b in _blocks(content) if b.get("type") in ("image", "document"))
-        meta = None
-        if META_KEY in m:
-            has_meta = True
-            meta = read_metadata(m[META_KEY], f"messages[{i}].{META_KEY}")
-        text = first_text(content)
-        pin = None
-        if meta is not None or (text and text.lstrip().startswith(prefix)):
-            pin = pin_of(meta, text, prefix, min_score)
+        pin, meta_here = message_pin(m, f"messages[{i}]", first_text(content), prefix,
+                                     min_score)
+        has_meta = has_meta or meta_here
         if role == "user":
             results = tool_ids(content, "tool_result", "tool_use_id")
             if results:

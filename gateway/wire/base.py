@@ -6,11 +6,11 @@ from typing import Any
 
 import orjson
 
-from ..conversation import Conversation
+from ..conversation import META_KEY, Conversation
 from ..errors import ApiFlavor
 from ..tokens import TokenCounter
 
-META_KEY = "memgate"
+__all__ = ["META_KEY", "Wire", "json_text", "text_of"]
 
 
 class Wire:

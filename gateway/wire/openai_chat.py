@@ -7,7 +7,6 @@ from typing import Any
 import orjson
 
 from ..conversation import (
-    BadMetadata,
     Conversation,
     Group,
     Unplannable,
@@ -15,11 +14,11 @@ from ..conversation import (
     approx_weight,
     content_chars,
     first_text,
-    pin_of,
-    read_metadata,
+    merge_into,
+    message_pin,
 )
 from ..tokens import PER_MEDIA_PART, PER_MESSAGE, PER_NAME, REPLY_PRIMING, TokenCounter
-from .base import META_KEY, Wire
+from .base import Wire
 
 FIXED_ROLES = frozenset(("system", "developer"))
 
@@ -56,13 +55,8 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
                     if not (isinstance(p, dict) and isinstance(p.get("text"), str))
                 )
         chars.append(n_chars)
-        meta = None
-        if META_KEY in m:
-            has_meta = True
-            meta = read_metadata(m[META_KEY], f"messages[{i}].{META_KEY}")
-        pin = None
-        if meta is not None or (text and text.lstrip().startswith(prefix)):
-            pin = pin_of(meta, text, prefix, min_score)
+        pin, meta_here = message_pin(m, f"messages[{i}]", text, prefix, min_score)
+        has_meta = has_meta or meta_here
 
         if role in FIXED_ROLES:
             fixed.append(i)
@@ -90,17 +84,7 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
             if g is None:
                 raise Unplannable("unpaired_tool_result")
             if g != len(groups) - 1:
-                # results separated from their call by other messages: one atomic span
-                merged = groups[g]
-                for later in groups[g + 1 :]:
-                    merged.indices.extend(later.indices)
-                    merged.pins.extend(later.pins)
-                    merged.chars += later.chars
-                    merged.weight += later.weight
-                del groups[g + 1 :]
-                for k, v in open_calls.items():
-                    if v > g:
-                        open_calls[k] = g
+                merge_into(groups, g, open_calls)
             groups[-1].indices.append(i)
         else:
             raise Unplannable("unknown_role")

@@ -20,11 +20,11 @@ from ..conversation import (
     approx_weight,
     content_chars,
     first_text,
-    pin_of,
-    read_metadata,
+    merge_into,
+    message_pin,
 )
 from ..tokens import PER_MEDIA_PART, PER_MESSAGE, REPLY_PRIMING, TokenCounter
-from .base import META_KEY, Wire, json_text, text_of
+from .base import Wire, json_text, text_of
 
 CALLS = frozenset(("function_call", "custom_tool_call", "computer_call", "local_shell_call"))
 OUTPUTS = frozenset(
@@ -74,14 +74,8 @@ def parse(items: list[Any], prefix: str, min_score: float) -> Conversation:
                 1 for p in content if isinstance(p, dict) and p.get("type") in ("input_image",
                                                                                    "input_file")
             )
-        meta = None
-        if META_KEY in it:
-            has_meta = True
-            meta = read_metadata(it[META_KEY], f"input[{i}].{META_KEY}")
-        text = first_text(content)
-        pin = None
-        if meta is not None or (text and text.lstrip().startswith(prefix)):
-            pin = pin_of(meta, text, prefix, min_score)
+        pin, meta_here = message_pin(it, f"input[{i}]", first_text(content), prefix, min_score)
+        has_meta = has_meta or meta_here
         if t == "message":
             role = it.get("role")
             if role in FIXED_ROLES:
@@ -117,16 +111,7 @@ def parse(items: list[Any], prefix: str, min_score: float) -> Conversation:
             if g is None:
                 raise Unplannable("unpaired_tool_result")
             if g != len(groups) - 1:
-                merged = groups[g]
-                for later in groups[g + 1 :]:
-                    merged.indices.extend(later.indices)
-                    merged.pins.extend(later.pins)
-                    merged.chars += later.chars
-                    merged.weight += later.weight
-                del groups[g + 1 :]
-                for k, v in open_calls.items():
-                    if v > g:
-                        open_calls[k] = g
+                merge_into(groups, g, open_calls)
             groups[-1].indices.append(i)
             lead_in = False
         elif t == "reasoning":
