@@ -264,12 +264,13 @@ class Gateway:
     def mem_lines(self) -> list[str]:
         return [ln for ln in self.log.getvalue().splitlines() if ln.startswith("[mem] ")]
 
-    async def wait_mem(self, n: int, timeout_s: float = 3.0) -> list[dict[str, Any]]:
+    async def wait_mem(self, n: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
         """The [mem] events once there are n (the line follows the response: with a shared
         state backend it is written after an await, so a client can be faster)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while len(self.mem_lines()) < n and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
+        assert len(self.mem_lines()) >= n, f"expected {n} [mem] lines:\n{self.log.getvalue()}"
         return self.mem_events()
 
     def mem_events(self) -> list[dict[str, Any]]:
