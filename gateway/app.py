@@ -35,6 +35,7 @@ class GatewayState:
     metrics: Metrics = field(default_factory=Metrics)
     capture: Capture = field(default_factory=Capture)
     memory: MemoryService | None = None
+    background: set[asyncio.Task[None]] = field(default_factory=set)
     pool: UpstreamPool = field(default_factory=UpstreamPool)
     log: Any = None
 
@@ -124,6 +125,8 @@ def create_app(
         finally:
             if hup:
                 loop.remove_signal_handler(signal.SIGHUP)
+            if state.background:  # accounting of requests whose clients already left
+                await asyncio.gather(*state.background, return_exceptions=True)
             await state.capture.drain()  # nothing captured is lost on a clean shutdown
             await memory.close()  # archived turns flushed before the store closes
             for task in (watcher, writer, archiver):

@@ -161,14 +161,30 @@ def intercept(wire: Wire) -> Handler:
             info.stream = "client_gone"
             raise
         finally:
-            try:
-                await _log_mem(state, request, rules.session_header, wire, d, info,
+            account = _account(state, request, rules.session_header, wire, d, info,
                                overhead_ms, rid)
-            except Exception as exc:  # noqa: BLE001 - accounting must never fail a request
-                state.log.error("mem_log_failed", error=type(exc).__name__,
-                                detail=str(exc)[:200], req=rid)
+            if state.sessions.backend == "memory":
+                await account  # never yields: nothing to cancel
+            else:
+                # a client that closes its connection right after the body cancels this
+                # handler; the shared-state writes and the [mem] line still run to the end
+                task = asyncio.ensure_future(account)
+                state.background.add(task)
+                task.add_done_callback(state.background.discard)
+                await asyncio.shield(task)
 
     return handle
+
+
+async def _account(
+    state: GatewayState, request: web.Request, session_header: str, wire: Wire,
+    d: Decision | None, info: Relayed, overhead_ms: float, rid: str,
+) -> None:
+    try:
+        await _log_mem(state, request, session_header, wire, d, info, overhead_ms, rid)
+    except Exception as exc:  # noqa: BLE001 - accounting must never fail a request
+        state.log.error("mem_log_failed", error=type(exc).__name__, detail=str(exc)[:200],
+                        req=rid)
 
 
 async def _with_recall(

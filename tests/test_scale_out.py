@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from pathlib import Path
@@ -99,3 +100,22 @@ async def test_a_session_continues_across_replicas(shared: Any, upstream: Upstre
     assert "KESTREL" not in " ".join(str(m["content"]) for m in trimmed)
     assert any("KESTREL" in str(m["content"]) for m in sent)
     assert int((await b.wait_mem(2))[-1]["recalled"]) >= 1
+
+
+async def test_accounting_survives_a_client_that_closes_at_once(shared: Any) -> None:
+    """With Redis state the [mem] line and the session record are written after awaits:
+    40 concurrent clients that close their connection right after the body all get
+    accounted (the accounting is shielded from handler cancellation)."""
+    a, _ = shared
+
+    async def one(k: int) -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            async with s.post(f"{a.url}/v1/chat/completions",
+                              data=orjson.dumps({"model": "gpt-4o-mini",
+                                                 "messages": history(3)[:2]}),
+                              headers={"Authorization": f"Bearer {SECRET}",
+                                       "X-Session-Id": f"s-close-{k}"}) as r:
+                await r.read()
+
+    await asyncio.gather(*(one(k) for k in range(40)))
+    assert len(await a.wait_mem(40)) == 40
