@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Bounded soak: many concurrent clients, stream and non-stream, eviction on (loopback only).
+
+    python tests/perf/soak.py [--seconds 60] [--clients 200]
+
+Starts a fast local upstream (JSON and SSE) and memgate with eviction on, runs
+`--clients` concurrent clients for `--seconds` (half streaming), and reports
+errors, requests, and the gateway's RSS and open file descriptors at the start
+and the end (a leak shows as growth). Stops everything by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gateway import Proc, body, free_port, history  # noqa: E402
+
+UPSTREAM = """
+import sys
+from aiohttp import web
+JSON = b'{"id":"x","object":"chat.completion","created":0,"model":"m","choices":[{"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"ok"}}]}'
+async def h(r):
+    data = await r.read()
+    if b'"stream":true' in data:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(r)
+        for i in range(5):
+            await resp.write(b'data: {"choices":[{"delta":{"content":"x"}}]}\\n\\n')
+        await resp.write(b"data: [DONE]\\n\\n")
+        await resp.write_eof()
+        return resp
+    return web.Response(body=JSON, content_type="application/json")
+app = web.Application(client_max_size=1 << 30)
+app.router.add_route("*", "/{t:.*}", h)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def run(url: str, seconds: float, clients: int) -> tuple[int, int]:
+    ok = errors = 0
+    end = time.monotonic() + seconds
+    plain = body(history(80))
+    stream = orjson.dumps({**orjson.loads(plain), "stream": True})
+
+    async def client(k: int) -> None:
+        nonlocal ok, errors
+        n = 0
+        async with aiohttp.ClientSession() as s:
+            while time.monotonic() < end:
+                data = (stream if k % 2 else plain).replace(b"and now?", f"{k}-{n}?".encode())
+                try:
+                    async with s.post(url, data=data, headers={
+                            "Content-Type": "application/json", "X-Session-Id": f"soak-{k}"}) as r:
+                        await r.read()
+                        ok += r.status == 200
+                        errors += r.status != 200
+                except aiohttp.ClientError:
+                    errors += 1
+                n += 1
+
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    return ok, errors
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--clients", type=int, default=200)
+    args = ap.parse_args()
+    up = Proc([sys.executable, "-c", UPSTREAM, str(p := free_port())], p)
+    port = free_port()
+    gw = Proc([sys.executable, "-m", "gateway", "serve", "--port", str(port), "--upstream",
+               f"http://127.0.0.1:{up.port}"], port,
+              {"MEMGATE_ENABLE_EVICTION": "1", "MEMGATE_LOG_FORMAT": "json"})
+    try:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        asyncio.run(run(url, 3, 10))  # warm-up
+        print(f"start: gateway RSS {rss_mb(gw.p.pid):.1f} MB, open fds {fds(gw.p.pid)}")
+        # two rounds: caches and the upstream keep-alive pool fill in the first; a leak
+        # would keep growing in the second
+        for rnd in (1, 2):
+            t0 = time.monotonic()
+            ok, errors = asyncio.run(run(url, args.seconds / 2, args.clients))
+            took = time.monotonic() - t0
+            time.sleep(1)
+            print(f"round {rnd}: {args.clients} clients, {took:.0f} s: {ok} ok, {errors} errors,"
+                  f" {ok / took:.0f} req/s; gateway RSS {rss_mb(gw.p.pid):.1f} MB, "
+                  f"open fds {fds(gw.p.pid)}")
+    finally:
+        gw.stop()
+        up.stop()
+
+
+if __name__ == "__main__":
+    main()
