@@ -51,12 +51,18 @@ def _reply_text(body: dict[str, Any]) -> str:
     return text
 
 
-async def chat(request: web.Request) -> web.StreamResponse:
+async def _received(request: web.Request) -> dict[str, Any]:
+    """The request body, recorded per session header for the demo's table."""
     raw = await request.read()
-    body = orjson.loads(raw)
+    body: dict[str, Any] = orjson.loads(raw)
     request.app[RECORD].append(
         {"session": request.headers.get("X-Session-Id"), "body": body, "bytes": len(raw)}
     )
+    return body
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    body = await _received(request)
     text = _reply_text(body)
     created = int(time.time())
     if not body.get("stream"):
@@ -93,11 +99,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic Messages, plain or streamed."""
-    raw = await request.read()
-    body = orjson.loads(raw)
-    request.app[RECORD].append(
-        {"session": request.headers.get("X-Session-Id"), "body": body, "bytes": len(raw)}
-    )
+    body = await _received(request)
     text = _reply_text(body)
     message = {"id": "msg_mock", "type": "message", "role": "assistant",
                "model": body.get("model", "mock"), "content": [{"type": "text", "text": text}],
@@ -128,11 +130,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def responses(request: web.Request) -> web.Response:
     """OpenAI Responses, plain."""
-    raw = await request.read()
-    body = orjson.loads(raw)
-    request.app[RECORD].append(
-        {"session": request.headers.get("X-Session-Id"), "body": body, "bytes": len(raw)}
-    )
+    body = await _received(request)
     text = _reply_text(body)
     return web.Response(body=orjson.dumps({
         "id": "resp_mock", "object": "response", "created_at": int(time.time()),

@@ -110,7 +110,8 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
     )
 
 
-def _content_tokens(content: Any, counter: TokenCounter) -> int:
+def content_tokens(content: Any, counter: TokenCounter) -> int:
+    """Tokens of a content: a string, text parts (media parts estimated), or JSON."""
     if content is None:
         return 0
     if isinstance(content, str):
@@ -128,7 +129,7 @@ def _content_tokens(content: Any, counter: TokenCounter) -> int:
 
 def message_tokens(m: dict[str, Any], counter: TokenCounter) -> int:
     """OpenAI's per-message accounting: 3 + role + content (+ name + 1) + tool calls."""
-    n = PER_MESSAGE + 1 + _content_tokens(m.get("content"), counter)
+    n = PER_MESSAGE + 1 + content_tokens(m.get("content"), counter)
     name = m.get("name")
     if isinstance(name, str):
         n += counter.count(name) + PER_NAME

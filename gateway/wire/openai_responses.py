@@ -23,8 +23,9 @@ from ..conversation import (
     merge_into,
     message_pin,
 )
-from ..tokens import PER_MEDIA_PART, PER_MESSAGE, REPLY_PRIMING, TokenCounter
+from ..tokens import PER_MESSAGE, REPLY_PRIMING, TokenCounter
 from .base import Wire, json_text, text_of
+from .openai_chat import content_tokens
 
 CALLS = frozenset(("function_call", "custom_tool_call", "computer_call", "local_shell_call"))
 OUTPUTS = frozenset(
@@ -136,22 +137,6 @@ def parse(items: list[Any], prefix: str, min_score: float) -> Conversation:
     )
 
 
-def _content_tokens(content: Any, counter: TokenCounter) -> int:
-    if content is None:
-        return 0
-    if isinstance(content, str):
-        return counter.count(content)
-    if isinstance(content, list):
-        n = 0
-        for p in content:
-            if isinstance(p, dict) and isinstance(p.get("text"), str):
-                n += counter.count(p["text"])
-            else:
-                n += PER_MEDIA_PART
-        return n
-    return counter.count(json_text(content))
-
-
 class OpenAIResponses(Wire):
     name = "openai_responses"
     flavor = "openai"
@@ -186,7 +171,7 @@ class OpenAIResponses(Wire):
         return {"type": "message", "role": "developer", "content": note}
 
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
-        n = PER_MESSAGE + 1 + _content_tokens(_text_of(item), counter)
+        n = PER_MESSAGE + 1 + content_tokens(_text_of(item), counter)
         if item_type(item) in CALLS:
             n += counter.count(str(item.get("name", "")))
         elif item_type(item) == "reasoning":
