@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,24 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 ROOT = Path(__file__).resolve().parent.parent
+PG_DSN = os.environ.get("MEMGATE_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 SAMPLES = ROOT / "samples"
 SECRET = "sk-test-SECRET-0123456789abcdef"
+
+
+@contextlib.asynccontextmanager
+async def pg_schema() -> AsyncIterator[tuple[str, Any]]:
+    """A throwaway PostgreSQL schema and a connection to inspect it; dropped afterwards."""
+    import asyncpg
+
+    schema = f"memgate_t_{uuid.uuid4().hex[:10]}"
+    conn = await asyncpg.connect(PG_DSN)
+    await conn.execute(f"CREATE SCHEMA {schema}")
+    try:
+        yield schema, conn
+    finally:
+        await conn.execute(f"DROP SCHEMA {schema} CASCADE")
+        await conn.close()
 
 
 def sample(name: str) -> dict[str, Any]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +12,10 @@ from gateway.session import tenant_of
 from gateway.store.model import Filter
 from gateway.store.sqlite import SqliteStore
 
-from .conftest import SECRET, GatewayFactory, Upstream
+from .conftest import PG_DSN, SECRET, GatewayFactory, Upstream, pg_schema
 
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 OTHER = {"Authorization": "Bearer sk-another-tenant"}
-PG_DSN = os.environ.get("MEMGATE_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 
 
 async def call(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None
@@ -108,12 +105,7 @@ async def test_archive_evicted_turns_once_and_recall_them(
 
 async def test_postgres_backend_through_the_gateway(gateway: GatewayFactory) -> None:
     """With store.backend postgres the same API works against the shared database."""
-    import asyncpg
-
-    schema = f"memgate_t_{uuid.uuid4().hex[:10]}"
-    conn = await asyncpg.connect(PG_DSN)
-    await conn.execute(f"CREATE SCHEMA {schema}")
-    try:
+    async with pg_schema() as (schema, conn):
         dsn = f"{PG_DSN}?options=-csearch_path%3D{schema}"
         gw = await gateway(store={"backend": "postgres"}, env={"MEMGATE_STORE_DSN": dsn})
         rec = {"memory_type": "message", "agent_id": "a", "session_id": "s1", "role": "user",
@@ -126,9 +118,6 @@ async def test_postgres_backend_through_the_gateway(gateway: GatewayFactory) -> 
         assert [r["memory_id"] for r in found["results"]] == [made["memory_id"]]
         assert await conn.fetchval(f"SELECT count(*) FROM {schema}.memgate_memories") == 1
         await gw.server.close()
-    finally:
-        await conn.execute(f"DROP SCHEMA {schema} CASCADE")
-        await conn.close()
 
 
 def test_memory_cli_round_trip(tmp_path: Path) -> None:

@@ -12,10 +12,9 @@ import aiohttp
 import orjson
 import pytest
 
-from .conftest import SECRET, GatewayFactory, Upstream
+from .conftest import PG_DSN, SECRET, GatewayFactory, Upstream, pg_schema
 
 ROOT = Path(__file__).resolve().parent.parent
-PG_DSN = os.environ.get("MEMGATE_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("MEMGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
@@ -36,32 +35,29 @@ def history(turns: int) -> list[dict[str, Any]]:
 
 @pytest.fixture
 async def shared(gateway: GatewayFactory) -> Any:
-    import asyncpg
     import redis.asyncio as redis
 
     prefix = f"memgate-test-{uuid.uuid4().hex[:8]}"
-    schema = f"memgate_t_{uuid.uuid4().hex[:10]}"
-    conn = await asyncpg.connect(PG_DSN)
-    await conn.execute(f"CREATE SCHEMA {schema}")
-    env = {"MEMGATE_REDIS_URL": REDIS_URL,
-           "MEMGATE_STORE_DSN": f"{PG_DSN}?options=-csearch_path%3D{schema}",
-           "MEMGATE_ADMIN_TOKEN": "adm"}
-    memory = {"enable_eviction": True,
-              "budget": {"max_tokens": 1500, "max_chars": None, "max_messages": None,
-                         "max_turns": None},
-              "carry": {"enabled": True, "rules_file": str(ROOT / "rules" / "carry.yaml")}}
-    top = {"state": {"backend": "redis", "key_prefix": prefix},
-           "store": {"backend": "postgres", "archive": "evicted",
-                     "recall": {"enabled": True, "top_k": 2}}}
-    a = await gateway(memory=memory, env=env, **top)
-    b = await gateway(memory=memory, env=env, **top)
-    yield a, b
+    async with pg_schema() as (schema, _):
+        env = {"MEMGATE_REDIS_URL": REDIS_URL,
+               "MEMGATE_STORE_DSN": f"{PG_DSN}?options=-csearch_path%3D{schema}",
+               "MEMGATE_ADMIN_TOKEN": "adm"}
+        memory = {"enable_eviction": True,
+                  "budget": {"max_tokens": 1500, "max_chars": None, "max_messages": None,
+                             "max_turns": None},
+                  "carry": {"enabled": True, "rules_file": str(ROOT / "rules" / "carry.yaml")}}
+        top = {"state": {"backend": "redis", "key_prefix": prefix},
+               "store": {"backend": "postgres", "archive": "evicted",
+                         "recall": {"enabled": True, "top_k": 2}}}
+        a = await gateway(memory=memory, env=env, **top)
+        b = await gateway(memory=memory, env=env, **top)
+        yield a, b
+        for gw in (a, b):  # flush the archive writers before the schema goes
+            await gw.server.close()
     r = redis.from_url(REDIS_URL)
     async for key in r.scan_iter(match=f"{prefix}:*"):
         await r.delete(key)
     await r.aclose()
-    await conn.execute(f"DROP SCHEMA {schema} CASCADE")
-    await conn.close()
 
 
 async def post(url: str, messages: list[dict[str, Any]]) -> None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
+import contextlib
 import random
 import sqlite3
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,33 +18,33 @@ from gateway.store.model import Filter, format_ts, parse_ts
 from gateway.store.postgres import PostgresStore
 from gateway.store.sqlite import SqliteStore
 
-PG_DSN = os.environ.get("MEMGATE_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+from .conftest import PG_DSN, pg_schema
+
 RULES = StoreRules(max_chars_per_record=200)
 T0 = parse_ts("2026-04-01T00:00:00Z", "t")
 HOUR = 3600 * 1_000_000
 
 
+@contextlib.asynccontextmanager
+async def open_store(backend: str, path: Path) -> AsyncIterator[Store]:
+    """An opened store of that backend: a SQLite file, or a throwaway PostgreSQL schema."""
+    async with contextlib.AsyncExitStack() as stack:
+        if backend == "sqlite":
+            s: Store = SqliteStore(str(path))
+        else:
+            schema, _ = await stack.enter_async_context(pg_schema())
+            s = PostgresStore(PG_DSN, search_path=schema)
+        await s.open()
+        try:
+            yield s
+        finally:
+            await s.close()
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    if request.param == "sqlite":
-        s: Store = SqliteStore(str(tmp_path / "mem.db"))
-        await s.open()
+    async with open_store(request.param, tmp_path / "mem.db") as s:
         yield s
-        await s.close()
-        return
-    import asyncpg
-
-    schema = f"memgate_t_{uuid.uuid4().hex[:10]}"
-    conn = await asyncpg.connect(PG_DSN)
-    await conn.execute(f"CREATE SCHEMA {schema}")
-    pg = PostgresStore(PG_DSN, search_path=schema)
-    await pg.open()
-    try:
-        yield pg
-    finally:
-        await pg.close()
-        await conn.execute(f"DROP SCHEMA {schema} CASCADE")
-        await conn.close()
 
 
 def turn(session: str, ts: int, text: str, tags: list[str] | None = None,
@@ -166,27 +165,9 @@ async def populated(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIter
                          " ".join(rnd.sample(WORDS, 3)) + f" #{i}",
                          rnd.sample(["a", "b", "c"], rnd.randint(0, 2)),
                          agent=rnd.choice(["x", "y"]), tenant=rnd.choice(["t-a", "t-b"])))
-    if request.param == "sqlite":
-        s: Store = SqliteStore(str(tmp_path / "p.db"))
-        await s.open()
+    async with open_store(request.param, tmp_path / "p.db") as s:
         await s.write(recs)
         yield s, recs
-        await s.close()
-        return
-    import asyncpg
-
-    schema = f"memgate_t_{uuid.uuid4().hex[:10]}"
-    conn = await asyncpg.connect(PG_DSN)
-    await conn.execute(f"CREATE SCHEMA {schema}")
-    pg = PostgresStore(PG_DSN, search_path=schema)
-    await pg.open()
-    await pg.write(recs)
-    try:
-        yield pg, recs
-    finally:
-        await pg.close()
-        await conn.execute(f"DROP SCHEMA {schema} CASCADE")
-        await conn.close()
 
 
 filters = st.fixed_dictionaries({
