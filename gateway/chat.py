@@ -41,6 +41,7 @@ class Decision:
     note: str | None = None
     recalled: list[str] = field(default_factory=list)
     _items: list[Any] | None = None
+    _overhead: int | None = None
     _msg_tokens: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -62,9 +63,15 @@ class Decision:
         return n
 
     def overhead_tokens(self) -> int:
-        if not isinstance(self.payload, dict):
-            return 0
-        return self._scaled(self.wire.overhead_tokens(self.payload, self.counter))
+        if self._overhead is None:
+            self._overhead = (self._scaled(self.wire.overhead_tokens(self.payload, self.counter))
+                              if isinstance(self.payload, dict) else 0)
+        return self._overhead
+
+    def kept_tokens(self) -> int:
+        """Estimated tokens of the request with only the plan's kept messages."""
+        assert self.plan is not None
+        return self.overhead_tokens() + sum(self.message_tokens(i) for i in self.plan.kept)
 
     def hist_chars(self) -> int:
         if self.conv is not None:

@@ -166,7 +166,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
             f"  {'yes' if i in pinned else '   '}  {status:<7} {stage}"
         )
     total = d.est_tokens()
-    kept_tokens = d.overhead_tokens() + sum(d.message_tokens(i) for i in p.kept)
+    kept_tokens = d.kept_tokens()
     print(
         f"\nmessages {len(d.messages)} -> {len(p.kept)} (dropped {len(p.dropped)}), "
         f"est_tokens {total} -> {kept_tokens}, budget_tokens {d.budget_tokens}, "

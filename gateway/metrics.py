@@ -70,7 +70,7 @@ class Metrics:
             self.tokens_before.labels(route).observe(est_tokens)
             p = d.plan
             if p is not None and mode == "on" and p.dropped:
-                after = d.overhead_tokens() + sum(d.message_tokens(i) for i in p.kept)
+                after = d.kept_tokens()
             else:
                 after = est_tokens
             self.tokens_after.labels(route).observe(after)

@@ -147,7 +147,7 @@ def measure(
             if p.dropped:
                 sim.evicted += 1
                 sim.messages_dropped += len(p.dropped)
-                kept_tokens = d.overhead_tokens() + sum(d.message_tokens(i) for i in p.kept)
+                kept_tokens = d.kept_tokens()
                 sim.tokens_dropped += tokens - kept_tokens
             sim.pins_kept += p.pinned
             sim.over_budget += int(p.over_budget)
