@@ -13,6 +13,7 @@ from aiohttp import web
 
 from . import logging as mglog
 from .capture import Capture
+from .history import HistoryCache
 from .memory_api import MemoryService
 from .memory_api import routes as memory_routes
 from .metrics import Metrics
@@ -32,6 +33,7 @@ class GatewayState:
     reloader: Reloader
     tokenizers: Tokenizers
     sessions: MemoryState | RedisState
+    history: HistoryCache = field(default_factory=lambda: HistoryCache(0, 0))
     metrics: Metrics = field(default_factory=Metrics)
     capture: Capture = field(default_factory=Capture)
     memory: MemoryService | None = None
@@ -89,6 +91,7 @@ def create_app(
         if (old.models, old.default_encoding) != (new.models, new.default_encoding):
             _preload_tokenizers(state, new)
         state.capture.config_changed(new.capture)
+        state.history.resize(new.history_cache_mb << 20, new.max_tracked_sessions)
 
     reloader = Reloader(config_path, env or {}, rules, on_swap, log, watch_interval_s,
                         on_result=lambda result: state.metrics.reloads.labels(result).inc())
@@ -96,6 +99,7 @@ def create_app(
         reloader=reloader,
         tokenizers=Tokenizers(rules.token_cache_size),
         sessions=_session_state(rules, env or {}),
+        history=HistoryCache(rules.history_cache_mb << 20, rules.max_tracked_sessions),
         log=log,
     )
     state.memory = MemoryService(env or {}, log)

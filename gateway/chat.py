@@ -10,10 +10,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .carry import Message, Snapshot, build_snapshot, render_note
+from .carry import Fold, Message, Snapshot, render_note
 from .carry.snapshot import DEFAULT_NOTE
 from .conversation import Conversation, Unplannable
 from .errors import BadRequest, OverBudget
+from .history import HistoryCache, View
 from .policy import Limits, Plan, PlanRules, plan
 from .rules import Rules
 from .tokens import TokenCounter, Tokenizers
@@ -42,7 +43,8 @@ class Decision:
     recalled: list[str] = field(default_factory=list)
     _items: list[Any] | None = None
     _overhead: int | None = None
-    _msg_tokens: dict[int, int] = field(default_factory=dict)
+    view: View | None = None  # what the session's history cache gave this request
+    _msg_tokens: list[int] | None = None  # per message, -1 = not counted yet
 
     @property
     def messages(self) -> list[Any]:
@@ -56,10 +58,12 @@ class Decision:
         return n if self.token_factor == 1.0 else math.ceil(n * self.token_factor)
 
     def message_tokens(self, i: int) -> int:
-        n = self._msg_tokens.get(i)
-        if n is None:
-            n = self._scaled(self.wire.item_tokens(self.messages[i], self.counter))
-            self._msg_tokens[i] = n
+        counts = self._msg_tokens
+        if counts is None:
+            counts = self._msg_tokens = [-1] * len(self.messages)
+        n = counts[i]
+        if n < 0:
+            n = counts[i] = self._scaled(self.wire.item_tokens(self.messages[i], self.counter))
         return n
 
     def overhead_tokens(self) -> int:
@@ -121,9 +125,13 @@ def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
 
 def decide(
     raw: bytes, payload: Any, rules: Rules, tokenizers: Tokenizers, wire: Wire = OPENAI_CHAT,
-    recalled: list[str] | None = None,
+    recalled: list[str] | None = None, history: HistoryCache | None = None,
+    key: tuple[str, str] | None = None,
 ) -> Decision:
-    """Plan one request; raises BadRequest / OverBudget for the client."""
+    """Plan one request; raises BadRequest / OverBudget for the client.
+
+    With a `history` cache and the session's `key`, only what the session appended
+    since its previous request is parsed, counted and folded."""
     model = payload.get("model") if isinstance(payload, dict) else None
     model = model if isinstance(model, str) else None
     counter = tokenizers.get(rules.model_info(model).encoding)
@@ -144,7 +152,13 @@ def decide(
         return d
     markers = rules.memory.markers
     try:
-        d.conv = wire.parse(items, markers.system_prefix, markers.min_score)
+        if history is not None and key is not None:
+            d.view = history.parse(key, wire, items, rules, len(raw), markers.system_prefix,
+                                   markers.min_score)
+            d.conv = d.view.conv
+            _reuse_tokens(d)
+        else:
+            d.conv = wire.parse(items, markers.system_prefix, markers.min_score)
     except Unplannable as exc:
         d.skip_reason = exc.reason
         return d
@@ -192,6 +206,23 @@ def decide(
     return d
 
 
+def _reuse_tokens(d: Decision) -> None:
+    """Start from the previous request's counts of the unchanged items; share this
+    request's counts with the next one."""
+    view = d.view
+    assert view is not None
+    n = len(d.messages)
+    token_key = (d.counter, d.token_factor)
+    prev = view.prev
+    if prev is not None and prev.token_key == token_key and view.known:
+        d._msg_tokens = prev.tokens[: view.known] + [-1] * (n - view.known)
+    else:
+        d._msg_tokens = [-1] * n
+    if view.entry is not None:
+        view.entry.tokens = d._msg_tokens
+        view.entry.token_key = token_key
+
+
 def _carry_note(
     d: Decision, rules: Rules, items: list[Any], recalled: list[str] | None
 ) -> bool:
@@ -201,15 +232,41 @@ def _carry_note(
     if d.conv is None:
         return False
     if carry.enabled and patterns is not None and d.plan is not None and d.plan.dropped:
-        wire = d.wire
-        turn_of = {i: g.turn for g in d.conv.groups for i in g.indices}
-        msgs = [Message(turn_of[i], wire.item_role(items[i]), wire.item_text(items[i]))
-                for i in sorted(turn_of)]
-        d.snapshot = build_snapshot(msgs, patterns, carry)
+        d.snapshot = _fold(d, items, patterns).snapshot(carry, d.conv.groups[-1].turn)
     template = patterns.note if patterns is not None else DEFAULT_NOTE
     d.recalled = list(recalled or [])
     d.note = render_note(d.snapshot, template, carry.max_note_chars, d.recalled)
     return d.note is not None
+
+
+def _fold(d: Decision, items: list[Any], patterns: Any) -> Fold:
+    """The carry-over fold over every grouped message, resumed from the session's
+    previous request when its history is unchanged up to where that fold stopped;
+    checkpointed at this request's last turn start for the next one."""
+    assert d.conv is not None
+    view, wire = d.view, d.wire
+    fold, start = Fold(patterns), 0
+    prev = view.prev if view is not None else None
+    if (prev is not None and prev.fold is not None and prev.fold.p is patterns
+            and view is not None and view.known >= prev.start):
+        fold, start = prev.fold.copy(), prev.start
+    entry = view.entry if view is not None else None
+    pause = entry.start if entry is not None and entry.start >= start else None
+    turn_of: dict[int, int] = {}
+    for g in reversed(d.conv.groups):  # groups are in index order: only the new ones
+        if g.indices[-1] < start:
+            break
+        for i in g.indices:
+            if i >= start:
+                turn_of[i] = g.turn
+    for i in sorted(turn_of):
+        if pause is not None and i >= pause:
+            assert entry is not None
+            entry.fold, pause = fold.copy(), None
+        fold.add(Message(turn_of[i], wire.item_role(items[i]), wire.item_text(items[i])))
+    if pause is not None and entry is not None:
+        entry.fold = fold.copy()
+    return fold
 
 
 def _minus_note(prules: PlanRules, d: Decision) -> PlanRules:

@@ -69,10 +69,10 @@ def _text(content: Any) -> str:
     return "" if content is None else orjson.dumps(content).decode()
 
 
-def _session(request: web.Request, header: str, d: Decision | None, tenant: str) -> str:
-    payload = d.payload if d is not None and isinstance(d.payload, dict) else {}
+def _session(request: web.Request, header: str, payload: Any, items: list[Any] | None,
+             tenant: str) -> str:
     system, first_user = "", ""
-    for m in d.messages if d is not None else ():
+    for m in items or ():
         if not isinstance(m, dict):
             continue
         role = m.get("role")
@@ -81,7 +81,8 @@ def _session(request: web.Request, header: str, d: Decision | None, tenant: str)
         elif role == "user":
             first_user = _text(m.get("content"))
             break
-    return session_id(request.headers, header, payload, tenant, system, first_user)
+    return session_id(request.headers, header, payload if isinstance(payload, dict) else {},
+                      tenant, system, first_user)
 
 
 def mem_fields(
@@ -139,6 +140,8 @@ def intercept(wire: Wire) -> Handler:
         info = Relayed()
         d: Decision | None = None
         overhead_ms = 0.0
+        tenant = tenant_of(request.headers)
+        session = ""
         try:
             try:
                 raw = await read_body(request, rules.max_body_bytes)
@@ -146,9 +149,13 @@ def intercept(wire: Wire) -> Handler:
                     payload = orjson.loads(raw)
                 except orjson.JSONDecodeError:
                     payload = None
-                d = decide(raw, payload, rules, state.tokenizers, wire)
+                items = wire.items(payload) if isinstance(payload, dict) else None
+                session = _session(request, rules.session_header, payload, items, tenant)
+                history = state.history if state.history.max_entries else None
+                d = decide(raw, payload, rules, state.tokenizers, wire, history=history,
+                           key=(tenant, session))
                 if rules.store.recall_enabled and d.mode == "on" and d.plan is not None:
-                    d = await _with_recall(state, request, rules, wire, d)
+                    d = await _with_recall(state, rules, wire, d, tenant, session)
                 up = rules.upstream_for(request.path, d.model)
                 overhead_ms = (time.perf_counter() - t0) * 1000
                 return await relay(request, state.pool, up, d.forward, info)
@@ -161,7 +168,7 @@ def intercept(wire: Wire) -> Handler:
             info.stream = "client_gone"
             raise
         finally:
-            account = _account(state, request, rules.session_header, wire, d, info,
+            account = _account(state, request, tenant, session, wire, d, info,
                                overhead_ms, rid)
             if state.sessions.backend == "memory":
                 await account  # never yields: nothing to cancel
@@ -177,22 +184,22 @@ def intercept(wire: Wire) -> Handler:
 
 
 async def _account(
-    state: GatewayState, request: web.Request, session_header: str, wire: Wire,
+    state: GatewayState, request: web.Request, tenant: str, session: str, wire: Wire,
     d: Decision | None, info: Relayed, overhead_ms: float, rid: str,
 ) -> None:
     try:
-        await _log_mem(state, request, session_header, wire, d, info, overhead_ms, rid)
+        if not session:  # the body never arrived: the session is what the headers say
+            session = _session(request, state.rules.session_header, None, None, tenant)
+        await _log_mem(state, request, tenant, session, wire, d, info, overhead_ms, rid)
     except Exception as exc:  # noqa: BLE001 - accounting must never fail a request
         state.log.error("mem_log_failed", error=type(exc).__name__, detail=str(exc)[:200],
                         req=rid)
 
 
 async def _with_recall(
-    state: GatewayState, request: web.Request, rules: Rules, wire: Wire, d: Decision
+    state: GatewayState, rules: Rules, wire: Wire, d: Decision, tenant: str, session: str
 ) -> Decision:
     """Plan again with the records recalled for the latest question in the note."""
-    tenant = tenant_of(request.headers)
-    session = _session(request, rules.session_header, d, tenant)
     assert state.memory is not None
     try:
         store = await state.memory.get_store(rules.store)
@@ -202,13 +209,16 @@ async def _with_recall(
     recalled = await recall(store, rules.store, tenant, session, d)
     if not recalled:
         return d
-    return decide(d.raw, d.payload, rules, state.tokenizers, wire, recalled=recalled)
+    history = state.history if state.history.max_entries else None
+    return decide(d.raw, d.payload, rules, state.tokenizers, wire, recalled=recalled,
+                  history=history, key=(tenant, session))
 
 
 async def _log_mem(
     state: GatewayState,
     request: web.Request,
-    session_header: str,
+    tenant: str,
+    session: str,
     wire: Wire,
     d: Decision | None,
     info: Relayed,
@@ -216,8 +226,6 @@ async def _log_mem(
     rid: str,
 ) -> None:
     log = state.log
-    tenant = tenant_of(request.headers)
-    session = _session(request, session_header, d, tenant)
     fields: dict[str, Any] = {"session": session}
     debug = state.rules.log_level == "debug"
     if d is not None and d.conv is not None and d.messages:

@@ -130,6 +130,7 @@ class Rules:
     max_body_bytes: int = 32 * 1024 * 1024
     session_header: str = "X-Session-Id"
     max_tracked_sessions: int = 10_000
+    history_cache_mb: int = 256
     token_cache_size: int = 200_000
     approx_token_factor: float = 1.15
     capture: CaptureRules = field(default_factory=CaptureRules)
@@ -581,7 +582,8 @@ def build_rules(
     listen = r.section(top.get("listen"), "listen", {"host", "port"})
     logging_ = r.section(top.get("logging"), "logging", {"format", "level"})
     limits = r.section(top.get("limits"), "limits", {"max_body_bytes"})
-    session = r.section(top.get("session"), "session", {"header", "max_tracked"})
+    session = r.section(top.get("session"), "session",
+                        {"header", "max_tracked", "history_cache_mb"})
     tokens = r.section(top.get("tokens"), "tokens", {"cache_size", "models_file", "approx_factor"})
 
     store = _parse_store(r, top.get("store"))
@@ -615,6 +617,7 @@ def build_rules(
         max_body_bytes=r.get(limits, "limits", "max_body_bytes", _int(1024), 32 * 1024 * 1024),
         session_header=r.get(session, "session", "header", _str(), "X-Session-Id"),
         max_tracked_sessions=r.get(session, "session", "max_tracked", _int(1), 10_000),
+        history_cache_mb=r.get(session, "session", "history_cache_mb", _int(0), 256),
         token_cache_size=r.get(tokens, "tokens", "cache_size", _int(0), 200_000),
         approx_token_factor=r.get(tokens, "tokens", "approx_factor", _float(0.5, 3.0), 1.15),
         capture=capture,

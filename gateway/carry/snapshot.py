@@ -140,7 +140,10 @@ def _extract_cached(role: str, text: str) -> _Extract:
     )
 
 
-class _Fold:
+class Fold:
+    """The fold's state after some prefix of a history; `copy()` checkpoints it so a
+    growing session folds only what was appended since the last request."""
+
     def __init__(self, p: CarryPatterns) -> None:
         self.p = p
         self.refs: dict[tuple[str, str], _Ref] = {}
@@ -154,6 +157,23 @@ class _Fold:
         self.output_file: str | None = None
         self.tool_results: list[str] = []
         self.skipped: list[tuple[str, str]] = []
+
+    def copy(self) -> Fold:
+        c = Fold.__new__(Fold)
+        c.p = self.p
+        c.refs = {k: _Ref(r.type, r.value, r.first_turn, r.last_turn)
+                  for k, r in self.refs.items()}
+        c.order = OrderedDict(self.order)
+        c.resolved = dict(self.resolved)
+        c.ambiguous = list(self.ambiguous)
+        c.dropped_candidates = list(self.dropped_candidates)
+        c.task_state = self.task_state
+        c.pending_question = self.pending_question
+        c.constraints = list(self.constraints)
+        c.output_file = self.output_file
+        c.tool_results = list(self.tool_results)
+        c.skipped = list(self.skipped)
+        return c
 
     def _mention(self, rtype: str, value: str, turn: int) -> None:
         key = (rtype, value)
@@ -267,7 +287,7 @@ class _Fold:
 def build_snapshot(
     messages: Iterable[Message], patterns: CarryPatterns, rules: CarryRules
 ) -> Snapshot:
-    fold = _Fold(patterns)
+    fold = Fold(patterns)
     current = 0
     for m in messages:
         fold.add(m)

@@ -124,6 +124,10 @@ class AnthropicMessages(Wire):
     def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
         return parse(items, prefix, min_score)
 
+    def starts_turn(self, item: Any) -> bool:
+        return (isinstance(item, dict) and item.get("role") == "user"
+                and not tool_ids(item.get("content"), "tool_result", "tool_use_id"))
+
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
         return PER_MESSAGE + 1 + content_tokens(item.get("content"), counter)
 

@@ -36,6 +36,11 @@ class Wire:
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
         raise NotImplementedError
 
+    def starts_turn(self, item: Any) -> bool:
+        """Does this item open a turn (a user message)? The parser's state starts
+        afresh there, which is what lets a growing history be parsed piecewise."""
+        return isinstance(item, dict) and item.get("role") == "user"
+
     def item_chars(self, item: Any) -> int:
         raise NotImplementedError
 

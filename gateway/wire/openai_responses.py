@@ -156,6 +156,10 @@ class OpenAIResponses(Wire):
     def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
         return parse(items, prefix, min_score)
 
+    def starts_turn(self, item: Any) -> bool:
+        return (isinstance(item, dict) and item_type(item) == "message"
+                and item.get("role") == "user")
+
     def item_role(self, item: Any) -> str:
         t = item_type(item) if isinstance(item, dict) else None
         if t == "message":

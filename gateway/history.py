@@ -1,0 +1,152 @@
+"""Per-session cache of the parsed history: a growing session is parsed once.
+
+Clients resend the whole history on every request, with new messages appended.
+The cache keeps, per session, the previous request's items, the parse of
+everything before its last turn (the *head*), the carry-over fold at the same
+point and the per-message token counts. The next request is checked against
+it with one C-level list comparison; when the head is still its prefix, only
+the messages from there on are parsed, folded and counted.
+
+A turn start (a user message that opens a turn) resets every parser's state,
+so `parse(items)` equals the head's parse joined with the parse of the rest.
+Anything unusual (an edited history, a rules reload, a piece that does not
+parse on its own) falls back to the full parse: the cache only ever saves work.
+Bounded by entries and by the request bytes it holds (LRU).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .carry import Fold
+from .conversation import Conversation, Group, Unplannable
+from .wire.base import Wire
+
+
+@dataclass(slots=True)
+class Entry:
+    rules: Any  # the Rules object the entry was built under (identity: a reload invalidates)
+    wire: Wire
+    items: list[Any]
+    head: Conversation  # parse of items[:start]
+    start: int  # the last turn start of `items`
+    size: int
+    tokens: list[int] = field(default_factory=list)  # per item, -1 = not counted
+    token_key: tuple[int, float] = (0, 1.0)  # (id of the counter, token factor)
+    fold: Fold | None = None  # carry-over fold after items[:start] (grouped messages)
+
+
+@dataclass(slots=True)
+class View:
+    """What one request reuses: its parse, how many leading items are unchanged,
+    and the previous entry's token counts and fold."""
+
+    conv: Conversation
+    known: int = 0  # items[:known] equal the previous request's
+    prev: Entry | None = None
+    entry: Entry | None = None  # this request's entry (fold and tokens filled in later)
+
+
+def last_turn_start(wire: Wire, items: list[Any]) -> int | None:
+    for i in range(len(items) - 1, -1, -1):
+        if wire.starts_turn(items[i]):
+            return i
+    return None
+
+
+def join(head: Conversation, tail: Conversation, at: int) -> Conversation:
+    """head = parse(items[:at]), tail = parse(items[at:]) with items[at] a turn start."""
+    t0 = head.n_turns
+    groups = list(head.groups)
+    groups.extend(
+        Group([i + at for i in g.indices], g.turn + t0, g.is_user, g.chars, g.weight,
+              [(i + at, p) for i, p in g.pins])
+        for g in tail.groups
+    )
+    return Conversation(
+        n_messages=head.n_messages + tail.n_messages,
+        fixed=head.fixed + [i + at for i in tail.fixed],
+        groups=groups,
+        n_turns=t0 + tail.n_turns,
+        chars=head.chars + tail.chars,
+        media_parts=head.media_parts + tail.media_parts,
+        has_metadata=head.has_metadata or tail.has_metadata,
+    )
+
+
+class HistoryCache:
+    def __init__(self, max_bytes: int, max_entries: int) -> None:
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[str, str], Entry] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def resize(self, max_bytes: int, max_entries: int) -> None:
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self._evict()
+
+    def parse(
+        self, key: tuple[str, str], wire: Wire, items: list[Any], rules: Any, size: int,
+        prefix: str, min_score: float,
+    ) -> View:
+        """Parse `items`, reusing the session's previous request where it still holds."""
+        start = last_turn_start(wire, items)
+        prev = self._entries.get(key)
+        if prev is not None and (prev.rules is not rules or prev.wire is not wire):
+            prev = None
+        known = _known(prev, items, start)
+        try:
+            if prev is not None and known and start is not None:
+                mid = wire.parse(items[prev.start:start], prefix, min_score)
+                head = join(prev.head, mid, prev.start)
+                self.hits += 1
+            elif start is not None:
+                head = wire.parse(items[:start], prefix, min_score)
+                prev, known = None, 0
+                self.misses += 1
+            else:
+                return View(wire.parse(items, prefix, min_score))
+            conv = join(head, wire.parse(items[start:], prefix, min_score), start)
+        except (ValueError, Unplannable):
+            # a piece that does not parse alone (or bad metadata: the full parse names
+            # the right index); the full parse decides
+            return View(wire.parse(items, prefix, min_score))
+        entry = Entry(rules, wire, items, head, start, size)
+        self._put(key, entry)
+        return View(conv, known, prev, entry)
+
+    def _put(self, key: tuple[str, str], entry: Entry) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old.size
+        if entry.size > self.max_bytes or not self.max_entries:
+            return
+        self._entries[key] = entry
+        self.bytes += entry.size
+        self._evict()
+
+    def _evict(self) -> None:
+        while self._entries and (
+            self.bytes > self.max_bytes or len(self._entries) > self.max_entries
+        ):
+            _, gone = self._entries.popitem(last=False)
+            self.bytes -= gone.size
+
+
+def _known(prev: Entry | None, items: list[Any], start: int | None) -> int:
+    """How many leading items are unchanged since `prev` (0 = nothing reusable)."""
+    if prev is None or start is None or start < prev.start:
+        return 0
+    n = len(prev.items)
+    if n <= len(items) and items[:n] == prev.items:
+        return n
+    if items[: prev.start] == prev.items[: prev.start]:
+        return prev.start
+    return 0

@@ -1,0 +1,129 @@
+"""The per-session history cache only ever saves work: a session's requests decided
+with the cache give exactly what they give without it (parse, plan, forwarded body,
+carry-over snapshot, token counts), for growing, edited and switching histories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.chat import Decision, decide
+from gateway.conversation import Unplannable
+from gateway.errors import GatewayError
+from gateway.history import HistoryCache, join, last_turn_start
+from gateway.rules import Rules, build_rules
+from gateway.tokens import Tokenizers
+from gateway.wire.anthropic_messages import ANTHROPIC_MESSAGES
+from gateway.wire.base import Wire
+from gateway.wire.openai_chat import OPENAI_CHAT
+from gateway.wire.openai_responses import OPENAI_RESPONSES
+
+from .strategies import conversation, memory_rules, to_anthropic, to_responses
+
+ROOT = Path(__file__).resolve().parent.parent
+TOK = Tokenizers(50_000)
+WIRES: dict[str, tuple[Wire, Any]] = {
+    "chat": (OPENAI_CHAT, lambda msgs: {"model": "gpt-4o-mini", "messages": msgs}),
+    "anthropic": (ANTHROPIC_MESSAGES, to_anthropic),
+    "responses": (OPENAI_RESPONSES, to_responses),
+}
+
+
+def make_rules(memory: dict[str, Any]) -> Rules:
+    memory = {**memory, "carry": {"rules_file": "carry.yaml"}}
+    return build_rules({"memory": memory, "tokens": {"models_file": "models.yaml"}},
+                       base_dir=ROOT / "rules")
+
+
+def outcome(d: Decision) -> tuple[Any, ...]:
+    snap = d.snapshot.fields if d.snapshot is not None else None
+    return (d.conv, d.plan, d.forward, snap, d.note, d.skip_reason, d.est_tokens())
+
+
+def decided(raw: bytes, rules: Rules, wire: Wire, cache: HistoryCache | None) -> Any:
+    try:
+        return outcome(decide(raw, orjson.loads(raw), rules, TOK, wire, history=cache,
+                              key=("tenant", "s1")))
+    except GatewayError as err:
+        return ("error", type(err).__name__, str(err))
+
+
+@st.composite
+def session(draw: st.DrawFn) -> tuple[str, list[bytes]]:
+    """A wire and the bodies of one session's requests: growing prefixes of one
+    conversation, sometimes an edited history or a different conversation."""
+    name = draw(st.sampled_from(sorted(WIRES)))
+    _, to_body = WIRES[name]
+    body = to_body(draw(conversation()))
+    key = "input" if name == "responses" else "messages"
+    items = body[key]
+    cuts = sorted(draw(st.lists(st.integers(1, len(items)), min_size=1, max_size=6)))
+    bodies = []
+    for k in cuts:
+        part = [dict(m) for m in items[:k]]
+        change = draw(st.integers(0, 9))
+        if change == 0 and part:  # an edited old message
+            j = draw(st.integers(0, len(part) - 1))
+            part[j] = {**part[j], "memgate": {"pin": True}}
+        elif change == 1:  # a different conversation in the same session
+            part = [{"role": "user", "content": "something else entirely"}, *part[-1:]]
+        bodies.append(orjson.dumps({**body, key: part}))
+    return name, bodies
+
+
+@given(s=session(), memory=memory_rules())
+@settings()
+def test_cache_changes_nothing(s: tuple[str, list[bytes]], memory: dict[str, Any]) -> None:
+    name, bodies = s
+    wire, _ = WIRES[name]
+    rules = make_rules(memory)
+    cache = HistoryCache(1 << 24, 100)
+    for raw in bodies:
+        assert decided(raw, rules, wire, cache) == decided(raw, rules, wire, None)
+
+
+@given(msgs=conversation(), name=st.sampled_from(sorted(WIRES)), data=st.data())
+@settings()
+def test_parse_splits_at_turn_starts(msgs: list[dict[str, Any]], name: str,
+                                     data: st.DataObject) -> None:
+    """parse(items) == join(parse(items[:r]), parse(items[r:])) at every turn start r."""
+    wire, to_body = WIRES[name]
+    body = to_body(msgs)
+    items = body["input" if name == "responses" else "messages"]
+    starts = [i for i in range(len(items)) if wire.starts_turn(items[i])]
+    assert starts and last_turn_start(wire, items) == starts[-1]
+    r = data.draw(st.sampled_from(starts))
+    try:
+        whole = wire.parse(items, "[PIN]", 0.7)
+    except (Unplannable, ValueError) as exc:
+        whole = type(exc).__name__
+    try:
+        pieces = join(wire.parse(items[:r], "[PIN]", 0.7), wire.parse(items[r:], "[PIN]", 0.7), r)
+    except (Unplannable, ValueError) as exc:
+        pieces = type(exc).__name__
+    assert pieces == whole
+
+
+def test_growing_session_is_parsed_once() -> None:
+    """Each request of a growing session is a hit; the cache keeps to its byte bound."""
+    rules = make_rules({"enable_eviction": True, "budget": {"max_tokens": 200}})
+    cache = HistoryCache(1 << 20, 10)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
+    for t in range(30):
+        msgs += [{"role": "user", "content": f"question {t} about /src/app_{t}.py"},
+                 {"role": "assistant", "content": f"answer {t}"}]
+        raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+        d = decide(raw, orjson.loads(raw), rules, TOK, OPENAI_CHAT, history=cache,
+                   key=("t", "grow"))
+        assert d.view is not None and d.plan is not None
+        if t:
+            assert d.view.known == len(msgs) - 2  # everything the previous request had
+    assert cache.hits == 29 and cache.misses == 1
+    small = HistoryCache(len(raw) + 10, 10)
+    for k in range(3):
+        decide(raw, orjson.loads(raw), rules, TOK, OPENAI_CHAT, history=small, key=("t", str(k)))
+    assert len(small) == 1 and small.bytes <= small.max_bytes
