@@ -6,6 +6,7 @@ what the gateway would forward. Works for every wire format. No I/O, no logging.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -77,6 +78,34 @@ class Decision:
         assert self.plan is not None
         return self.overhead_tokens() + sum(self.message_tokens(i) for i in self.plan.kept)
 
+    def uncounted_chars(self) -> int:
+        """Characters of the messages whose tokens the session's cache does not hold
+        (an upper bound of what counting the whole history still has to tokenize)."""
+        if self.conv is None:
+            return 0
+        known = self.view.known if self.view is not None else 0
+        return sum(self.conv.chars[known:])
+
+    async def count_off_loop(self, indices: list[int]) -> None:
+        """Count these messages in a worker thread (tiktoken releases the GIL): a cold
+        megabyte history is not tokenized on the event loop."""
+        items = self.messages
+        todo = [i for i in indices if self.message_tokens_known(i) is None]
+        if not todo:
+            return
+        # a private, uncached counter: confined to the worker thread
+        wire, plain = self.wire, TokenCounter(self.counter.encoding, self.counter.name, 0)
+        batch = [items[i] for i in todo]
+        counts = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: [wire.item_tokens(m, plain) for m in batch])
+        assert self._msg_tokens is not None
+        for i, n in zip(todo, counts):
+            self._msg_tokens[i] = self._scaled(n)
+
+    def message_tokens_known(self, i: int) -> int | None:
+        counts = self._msg_tokens
+        return None if counts is None or counts[i] < 0 else counts[i]
+
     def hist_chars(self) -> int:
         if self.conv is not None:
             return self.conv.total_chars
@@ -84,10 +113,22 @@ class Decision:
 
     def est_tokens(self) -> int:
         """The estimate for the whole request (counts cached per message content)."""
+        return self.overhead_tokens() + self.all_message_tokens() if self.parsed_items() else 0
+
+    def parsed_items(self) -> bool:
+        """Is the history a non-empty list of objects (what counting needs)?"""
         msgs = self.messages
-        if not msgs or not all(isinstance(m, dict) for m in msgs):
-            return 0
-        return self.overhead_tokens() + sum(self.message_tokens(i) for i in range(len(msgs)))
+        if self.conv is not None:  # the parser checked every item
+            return bool(msgs)
+        return bool(msgs) and all(isinstance(m, dict) for m in msgs)
+
+    def all_message_tokens(self) -> int:
+        counts = self._msg_tokens
+        if counts is None or min(counts, default=0) < 0:  # count what is missing first
+            for i in range(len(self.messages)):
+                self.message_tokens(i)
+            counts = self._msg_tokens
+        return sum(counts) if counts is not None else 0
 
 
 def budget_tokens(rules: Rules, payload: dict[str, Any], model: str | None) -> int | None:
@@ -192,7 +233,8 @@ def decide(
                 f"max_messages={rules.memory.budget.max_messages}); shorten the current turn"
             )
     if d.plan is not None and d.plan.dropped:
-        d.cache_marker_dropped = any(wire.has_cache_marker(items[i]) for i, _ in d.plan.dropped)
+        d.cache_marker_dropped = wire.cache_markers and any(
+            wire.has_cache_marker(items[i]) for i, _ in d.plan.dropped)
     if d.mode == "on" and d.plan is not None and (d.plan.dropped or d.note):
         marker_at = None
         if d.cache_marker_dropped and rules.memory.eviction.move_cache_marker:

@@ -27,6 +27,9 @@ from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
 
 _RID = re.compile(r"[^A-Za-z0-9._-]")
+# a history with more uncounted text than this is token-counted for the [mem] line in a
+# worker thread (after the response, off the event loop)
+OFFLOAD_CHARS = 65_536
 
 
 def flavor_for(path: str) -> ApiFlavor:
@@ -142,18 +145,19 @@ def intercept(wire: Wire) -> Handler:
         overhead_ms = 0.0
         tenant = tenant_of(request.headers)
         session = ""
+        raw: bytes | None = None
+        deferred = False
         try:
             try:
                 raw = await read_body(request, rules.max_body_bytes)
-                try:
-                    payload = orjson.loads(raw)
-                except orjson.JSONDecodeError:
-                    payload = None
-                items = wire.items(payload) if isinstance(payload, dict) else None
-                session = _session(request, rules.session_header, payload, items, tenant)
-                history = state.history if state.history.max_entries else None
-                d = decide(raw, payload, rules, state.tokenizers, wire, history=history,
-                           key=(tenant, session))
+                if _unchangeable(rules, raw):
+                    # nothing a decision could change: the client's bytes go upstream now,
+                    # the measuring and the [mem] line follow the response
+                    deferred = True
+                    overhead_ms = (time.perf_counter() - t0) * 1000
+                    return await relay(request, state.pool, rules.upstream_for(request.path),
+                                       raw, info)
+                d, session = _decide(state, request, rules, wire, raw, tenant)
                 if rules.store.recall_enabled and d.mode == "on" and d.plan is not None:
                     d = await _with_recall(state, rules, wire, d, tenant, session)
                 up = rules.upstream_for(request.path, d.model)
@@ -168,19 +172,51 @@ def intercept(wire: Wire) -> Handler:
             info.stream = "client_gone"
             raise
         finally:
+            if deferred and raw is not None:
+                try:
+                    d, session = _decide(state, request, rules, wire, raw, tenant)
+                except GatewayError:  # cannot happen without metadata; measured as skipped
+                    d = None
             account = _account(state, request, tenant, session, wire, d, info,
                                overhead_ms, rid)
-            if state.sessions.backend == "memory":
+            if state.sessions.backend == "memory" and (
+                    d is None or d.uncounted_chars() <= OFFLOAD_CHARS):
                 await account  # never yields: nothing to cancel
             else:
                 # a client that closes its connection right after the body cancels this
-                # handler; the shared-state writes and the [mem] line still run to the end
+                # handler; the shared-state writes, the counting of a big cold history
+                # and the [mem] line still run to the end
                 task = asyncio.ensure_future(account)
                 state.background.add(task)
                 task.add_done_callback(state.background.discard)
                 await asyncio.shield(task)
 
     return handle
+
+
+def _unchangeable(rules: Rules, raw: bytes) -> bool:
+    """Can no decision change this body? Eviction is not on (off or shadow only
+    measure), no upstream is chosen by model, and the body holds no gateway metadata
+    (which is stripped; an escaped ASCII character could spell its key, so any \\u00XX
+    escape takes the normal path too)."""
+    return (rules.memory.mode != "on" and not rules.routes_by_model
+            and b"memgate" not in raw and b"\\u00" not in raw)
+
+
+def _decide(
+    state: GatewayState, request: web.Request, rules: Rules, wire: Wire, raw: bytes,
+    tenant: str,
+) -> tuple[Decision, str]:
+    """Parse and plan one body; (decision, session id)."""
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        payload = None
+    items = wire.items(payload) if isinstance(payload, dict) else None
+    session = _session(request, rules.session_header, payload, items, tenant)
+    history = state.history if state.history.max_entries else None
+    d = decide(raw, payload, rules, state.tokenizers, wire, history=history, key=(tenant, session))
+    return d, session
 
 
 async def _account(
@@ -284,7 +320,12 @@ async def _measure_session(
     prev = await state.sessions.get_record(tenant, session)
     known, known_tokens = known_prefix(prev, msgs)
     grown = prev is not None and known == prev.n_messages
-    msg_tokens = known_tokens + sum(d.message_tokens(i) for i in range(known, len(msgs)))
+    if d.uncounted_chars() > OFFLOAD_CHARS:
+        await d.count_off_loop(list(range(known, len(msgs))))
+    if d.view is not None and d.view.known >= known:  # the history cache holds the prefix
+        msg_tokens = d.all_message_tokens()
+    else:
+        msg_tokens = known_tokens + sum(d.message_tokens(i) for i in range(known, len(msgs)))
     fields = mem_fields(d, debug, est_tokens=d.overhead_tokens() + msg_tokens)
     on = d.plan is not None and d.mode == "on"
     kept = d.plan.kept if on and d.plan is not None else tuple(range(len(msgs)))

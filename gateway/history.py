@@ -144,9 +144,8 @@ def _known(prev: Entry | None, items: list[Any], start: int | None) -> int:
     """How many leading items are unchanged since `prev` (0 = nothing reusable)."""
     if prev is None or start is None or start < prev.start:
         return 0
-    n = len(prev.items)
-    if n <= len(items) and items[:n] == prev.items:
-        return n
-    if items[: prev.start] == prev.items[: prev.start]:
-        return prev.start
-    return 0
+    old, start = prev.items, prev.start
+    if items[:start] != old[:start]:  # one pass over the history: most of it is here
+        return 0
+    n = len(old)
+    return n if n <= len(items) and items[start:n] == old[start:] else start

@@ -143,6 +143,11 @@ class Rules:
     models_path: str | None = None
     carry_path: str | None = None
 
+    @property
+    def routes_by_model(self) -> bool:
+        """Does any upstream choose requests by model (so the body must be read)?"""
+        return any(u.models for u in self.upstreams)
+
     def upstream_for(self, path: str, model: str | None = None) -> Upstream:
         """First upstream serving this path (and model); else the default one."""
         for up in self.upstreams:

@@ -127,3 +127,27 @@ def test_growing_session_is_parsed_once() -> None:
     for k in range(3):
         decide(raw, orjson.loads(raw), rules, TOK, OPENAI_CHAT, history=small, key=("t", str(k)))
     assert len(small) == 1 and small.bytes <= small.max_bytes
+
+
+async def test_big_cold_history_counted_off_loop_exactly(gateway: Any, upstream: Any) -> None:
+    """A history past the off-loop threshold gets the same est_tokens in its [mem]
+    line as counting it directly; the next, grown request reuses the counts."""
+    from .test_proxy import post_raw
+
+    gw = await gateway(memory={"enable_eviction": True})
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
+    for t in range(60):
+        msgs += [{"role": "user", "content": f"turn {t}: " + "订单 gateway budget " * 120},
+                 {"role": "assistant", "content": f"answer {t} " + "ok " * 50}]
+    rules = make_rules({"enable_eviction": True})
+    for step in range(2):
+        raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+        status, _, _ = await post_raw(gw, raw, headers={"X-Session-Id": "big"})
+        assert status == 200
+        direct = decide(raw, orjson.loads(raw), rules, TOK, OPENAI_CHAT)
+        assert sum(direct.conv.chars) > 65_536  # the off-loop path
+        ev = (await gw.wait_mem(step + 1))[-1]
+        assert int(ev["est_tokens"]) == direct.est_tokens()
+        assert int(ev["hist_msgs"]) == len(msgs)
+        msgs += [{"role": "user", "content": "and next?"}]
+    assert gw.state.history.hits == 1  # the second request: only what was appended parsed

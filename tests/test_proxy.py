@@ -272,6 +272,18 @@ async def test_gateway_metadata_stripped_in_every_mode(
                                         "memgate": {"pin": True}}]}
     await post_raw(gw, orjson.dumps(body))
     assert upstream.last_body()["messages"] == [{"role": "user", "content": "hi"}]
+    # a key spelled with JSON escapes is the same key: not forwarded either
+    escaped = orjson.dumps(body).replace(b'"memgate"', b'"\\u006demgate"')
+    assert b"memgate" not in escaped
+    await post_raw(gw, escaped)
+    assert upstream.last_body()["messages"] == [{"role": "user", "content": "hi"}]
+    # with nothing to change, eviction off forwards the client's bytes first and measures
+    # after: the [mem] line still has the full measurement
+    plain = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi 订单"}]})
+    await post_raw(gw, plain)
+    assert upstream.received[-1]["raw"] == plain
+    ev = gw.mem_events()[-1]
+    assert ev["hist_msgs"] == "1" and int(ev["est_tokens"]) > 0 and ev["mode"] == "shadow"
 
 
 async def test_hot_reload_by_editing_the_file(gateway: GatewayFactory, upstream: Upstream) -> None:

@@ -8,6 +8,7 @@ needs, so a history that clearly fits is never tokenized on the request path.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -51,16 +52,14 @@ class Plan:
     # low_water < 1 but no checkpoint's tail fitted (system + pins + the current turn take
     # more than the low-water share): the cut fell back to a newest-first fill
     fill_fallback: bool = False
+    evict: str = "none"  # the stage that dropped most messages, or 'none'
 
-    @property
-    def evict(self) -> str:
-        """The stage that dropped most messages, or 'none'."""
-        if not self.dropped:
-            return "none"
-        counts: dict[str, int] = {}
-        for _, stage in self.dropped:
-            counts[stage] = counts.get(stage, 0) + 1
-        return max(sorted(counts), key=lambda s: counts[s])
+
+def _dominant_stage(dropped: Sequence[tuple[int, str]]) -> str:
+    if not dropped:
+        return "none"
+    counts = Counter(stage for _, stage in dropped)
+    return max(sorted(counts), key=lambda s: counts[s])
 
 
 _NO_LIMIT = 1 << 62
@@ -191,10 +190,12 @@ def keep_recent_turns(st: _State) -> None:
         return
     step = max(1, math.ceil((1.0 - st.rules.low_water) * limit))
     oldest_allowed = 1 + step * math.ceil((need - 1) / step)
+    decision = st.decision
     for g, grp in enumerate(st.conv.groups):  # groups are in turn order
         if grp.turn >= oldest_allowed:
             break
-        st.drop(g, "recent_turns")
+        if decision[g] is None:
+            decision[g] = (DROP, "recent_turns")
 
 
 def fit_length_budget(st: _State) -> None:
@@ -240,34 +241,45 @@ def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
     limits = st.rules.limits
     conv = st.conv
     step = 1.0 - st.rules.low_water
+    groups = conv.groups
+    end = len(groups)
+    while end and groups[end - 1].turn >= conv.n_turns:  # the current turn is not cut
+        end -= 1
+    mt, mc, mm = limits.max_tokens, limits.max_chars, limits.max_messages
     per_turn: dict[int, float] = {}
-    for grp in conv.groups:
-        if grp.turn >= conv.n_turns:
-            continue
+    get = per_turn.get
+    for grp in groups[:end]:
         w = 0.0
-        if limits.max_tokens is not None:
-            w = max(w, grp.weight / limits.max_tokens)
-        if limits.max_chars is not None:
-            w = max(w, grp.chars / limits.max_chars)
-        if limits.max_messages is not None:
-            w = max(w, len(grp.indices) / limits.max_messages)
-        per_turn[grp.turn] = per_turn.get(grp.turn, 0.0) + w
-    checkpoints: list[int] = [min(per_turn)] if per_turn else []  # cutting nothing
+        if mt is not None:
+            w = grp.weight / mt
+        if mc is not None and grp.chars / mc > w:
+            w = grp.chars / mc
+        if mm is not None and len(grp.indices) / mm > w:
+            w = len(grp.indices) / mm
+        per_turn[grp.turn] = get(grp.turn, 0.0) + w
+    if not per_turn:
+        return None
+    checkpoints: list[int] = [min(per_turn)]  # cutting nothing
     offset = 0.0
     mark = 0
-    for turn in sorted(per_turn):
-        if int(offset / step) > mark:
-            mark = int(offset / step)
+    for turn, w in per_turn.items():  # turns in order: groups are
+        level = int(offset / step)
+        if level > mark:
+            mark = level
             checkpoints.append(turn)
-        offset += per_turn[turn]
+        offset += w
     # newest checkpoint first: the tail only grows, so stop at the first that does not
     # fit; only the tail that decides is ever tokenized
     is_checkpoint = set(checkpoints)
     best: int | None = None
     t_sum = c_sum = m_sum = 0
-    for turn in sorted(is_checkpoint.union(by_turn), reverse=True):
-        t, c, m = st.cost(by_turn.get(turn, ()))
-        t_sum, c_sum, m_sum = t_sum + t, c_sum + c, m_sum + m
+    newest = max(max(by_turn), max(checkpoints))
+    oldest = min(min(by_turn), checkpoints[0])
+    for turn in range(newest, oldest - 1, -1):
+        gs = by_turn.get(turn)
+        if gs is not None:
+            t, c, m = st.cost(gs)
+            t_sum, c_sum, m_sum = t_sum + t, c_sum + c, m_sum + m
         if turn in is_checkpoint:
             if not st.fits((t_sum, c_sum, m_sum)):
                 break
@@ -404,6 +416,7 @@ def plan(
         kept_tokens=kept_tokens if st.count_tokens else None,
         kept_chars=kept_chars,
         fill_fallback=st.fill_fallback and bool(dropped),
+        evict=_dominant_stage(dropped),
     )
 
 

@@ -120,6 +120,7 @@ class AnthropicMessages(Wire):
     flavor = "anthropic"
     items_key = "messages"
     approx_tokens = True
+    cache_markers = True
 
     def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
         return parse(items, prefix, min_score)

@@ -21,6 +21,7 @@ class Wire:
     flavor: ApiFlavor = "openai"
     items_key = "messages"
     approx_tokens = False  # counted with a stand-in tokenizer (logged tokenizer=approx)
+    cache_markers = False  # items may carry provider prompt-cache breakpoints
 
     def items(self, payload: dict[str, Any]) -> list[Any] | None:
         v = payload.get(self.items_key)

@@ -209,25 +209,27 @@ def main() -> None:
                   f" {row['memgate-off'][0] / pt_l:>11.2f}")
         on = targets["memgate-on"]
         url = f"http://127.0.0.1:{on.port}/v1/chat/completions"
-        print("\ngrowing session (memgate-on, warm): gateway CPU per request")
+        print("\ngrowing session (memgate-on, warm): gateway CPU per request, each request ="
+              " the previous history + one turn")
         for turns in (10, 100, 1000):
             msgs = history(turns * 2, seed=turns)
             asyncio.run(latency(url, body(msgs), 0.3))
-            c0, n = on.cpu_s(), 0
+            c0 = on.cpu_s()
             end = time.time() + args.seconds
 
-            async def grow() -> int:
+            async def grow(h: list[dict[str, Any]]) -> int:
                 k = 0
                 async with aiohttp.ClientSession() as s:
                     while time.time() < end:
-                        h = [*msgs, {"role": "user", "content": f"step {k}"},
-                             {"role": "assistant", "content": f"done {k}"}]
-                        async with s.post(url, data=body(h)) as r:
+                        h += [{"role": "user", "content": f"step {k}"},
+                              {"role": "assistant", "content": f"done {k}"}]
+                        async with s.post(url, data=body(h), headers={
+                                "X-Session-Id": f"grow-{turns}"}) as r:
                             await r.read()
                         k += 1
                 return k
 
-            n = asyncio.run(grow())
+            n = asyncio.run(grow(list(msgs)))
             print(f"  history {turns * 2:>5} messages: {(on.cpu_s() - c0) / n * 1000:.3f} ms CPU"
                   f" per request ({n} requests)")
         print("\ncold 1 MB history (nothing cached): time to first byte")
