@@ -346,7 +346,8 @@ async def _measure_session(
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
-    """Every other route: relayed as is, body streamed, no [mem] line."""
+    """Every other route: relayed as is, no [mem] line; a body with a Content-Length is
+    streamed through, a chunked one is read (up to limits.max_body_bytes) first."""
     state: GatewayState = request.app[STATE]
     rules = state.rules
     flavor = flavor_for(request.path)
@@ -360,8 +361,18 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
             ),
             flavor,
         )
-    extra = {"Content-Length": str(declared)} if declared is not None else None
-    body = request.content if request.body_exists else None
+    body: Any = None
+    extra = None
+    if declared is not None:  # streamed through as it arrives
+        extra = {"Content-Length": str(declared)}
+        body = request.content if request.body_exists else None
+    elif request.body_exists:
+        # chunked, no declared length: read up to the limit first, so a body over it is a
+        # clean 413 and the upstream never sees half a request
+        try:
+            body = await read_body(request, rules.max_body_bytes)
+        except GatewayError as err:
+            return error_response(err, flavor)
     up = rules.upstream_for(request.path, None)
     try:
         return await relay(request, state.pool, up, body, info, extra)

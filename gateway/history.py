@@ -11,7 +11,7 @@ A turn start (a user message that opens a turn) resets every parser's state,
 so `parse(items)` equals the head's parse joined with the parse of the rest.
 Anything unusual (an edited history, a rules reload, a piece that does not
 parse on its own) falls back to the full parse: the cache only ever saves work.
-Bounded by entries and by the request bytes it holds (LRU).
+Bounded (LRU) by entries and by the memory its entries are estimated to hold.
 """
 
 from __future__ import annotations
@@ -118,7 +118,9 @@ class HistoryCache:
             # a piece that does not parse alone (or bad metadata: the full parse names
             # the right index); the full parse decides
             return View(wire.parse(items, prefix, min_score))
-        entry = Entry(rules, wire, items, head, start, size)
+        # what the entry keeps alive: the parsed items (about twice the request's bytes
+        # as Python objects) and the head's per-message bookkeeping
+        entry = Entry(rules, wire, items, head, start, 2 * size + 256 * len(items))
         self._put(key, entry)
         return View(conv, known, prev, entry)
 

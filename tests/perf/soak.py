@@ -2,11 +2,17 @@
 """Bounded soak: many concurrent clients, stream and non-stream, eviction on (loopback only).
 
     python tests/perf/soak.py [--seconds 60] [--clients 200]
+    python tests/perf/soak.py --requests 100000 --sessions 10000   # memory bound
+
 
 Starts a fast local upstream (JSON and SSE) and memgate with eviction on, runs
 `--clients` concurrent clients for `--seconds` (half streaming), and reports
 errors, requests, and the gateway's RSS and open file descriptors at the start
-and the end (a leak shows as growth). Stops everything by itself.
+and the end (a leak shows as growth). With --requests/--sessions it instead
+sends that many requests spread over that many distinct sessions (distinct
+histories) and prints RSS every tenth of the way, next to the configured cache
+bounds: RSS must level off, not grow with the number of sessions. Stops
+everything by itself.
 """
 
 from __future__ import annotations
@@ -82,10 +88,43 @@ async def run(url: str, seconds: float, clients: int) -> tuple[int, int]:
     return ok, errors
 
 
+async def spread(url: str, start: int, stop: int, sessions: int, clients: int
+                 ) -> tuple[int, int]:
+    """Requests start..stop of a run over `sessions` sessions, each a distinct history
+    that grows by one message every time the session comes round again."""
+    ok = errors = 0
+    bases = [history(60, seed=i) for i in range(50)]
+    counter = iter(range(start, stop))
+
+    async def client() -> None:
+        nonlocal ok, errors
+        async with aiohttp.ClientSession() as s:
+            for n in counter:
+                sid = n % sessions
+                msgs = [{"role": "user", "content": f"session {sid}: start"},
+                        *bases[sid % len(bases)], *[{"role": "user", "content": f"{sid} q{t}"}
+                                                    for t in range(n // sessions)]]
+                data = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+                try:
+                    async with s.post(url, data=data, headers={
+                            "Content-Type": "application/json",
+                            "X-Session-Id": f"spread-{sid}"}) as r:
+                        await r.read()
+                        ok += r.status == 200
+                        errors += r.status != 200
+                except aiohttp.ClientError:
+                    errors += 1
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return ok, errors
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--clients", type=int, default=200)
+    ap.add_argument("--requests", type=int, default=0, help="memory-bound mode: requests")
+    ap.add_argument("--sessions", type=int, default=10_000, help="... over this many sessions")
     args = ap.parse_args()
     up = Proc([sys.executable, "-c", UPSTREAM, str(p := free_port())], p)
     port = free_port()
@@ -96,6 +135,19 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         asyncio.run(run(url, 3, 10))  # warm-up
         print(f"start: gateway RSS {rss_mb(gw.p.pid):.1f} MB, open fds {fds(gw.p.pid)}")
+        if args.requests:
+            print("bounds (rules/gateway.yaml): session.history_cache_mb 256 (estimated "
+                  "memory), session.max_tracked 10000, tokens.cache_size 200000 entries")
+            step = args.requests // 10
+            done = 0
+            t0 = time.monotonic()
+            while done < args.requests:
+                ok, errors = asyncio.run(spread(url, done, done + step, args.sessions, 32))
+                done += step
+                print(f"{done:>7} requests ({ok} ok, {errors} errors, "
+                      f"{done / (time.monotonic() - t0):.0f} req/s): gateway RSS "
+                      f"{rss_mb(gw.p.pid):.1f} MB, open fds {fds(gw.p.pid)}", flush=True)
+            return
         # two rounds: caches and the upstream keep-alive pool fill in the first; a leak
         # would keep growing in the second
         for rnd in (1, 2):
