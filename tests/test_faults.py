@@ -256,3 +256,40 @@ async def test_secrets_reach_no_sink(
     for name, data in sinks.items():
         for secret in secrets:
             assert secret.encode() not in data, f"{secret!r} leaked into {name}"
+
+
+async def test_config_that_vanishes_or_turns_unreadable_keeps_last_good(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """The config file deleted, then replaced by something unreadable (a directory),
+    mid-run: each reload is refused and logged, the last good config keeps serving;
+    a good file again is picked up."""
+    gw = await gateway(memory={"enable_eviction": True})
+    good = gw.state.rules
+    text = gw.config.read_text()
+    body = orjson.dumps(sample("chat_long_tools"))
+
+    async def refused(n: int) -> None:
+        deadline = time.monotonic() + 3.0
+        while gw.log.getvalue().count("config_reload result=failed") < n:
+            assert time.monotonic() < deadline, gw.log.getvalue()
+            await asyncio.sleep(0.05)
+        assert gw.state.rules is good
+        async with aiohttp.ClientSession() as s, s.post(
+                f"{gw.url}/v1/chat/completions", data=body,
+                headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 200
+        assert gw.mem_events()[-1]["mode"] == "on"
+        assert int(gw.mem_events()[-1]["dropped"]) > 0
+
+    gw.config.unlink()
+    await refused(1)
+    gw.config.mkdir()
+    await refused(2)
+    gw.config.rmdir()
+    gw.config.write_text(text.replace("enable_eviction: true", "enable_eviction: false"))
+    deadline = time.monotonic() + 3.0
+    while gw.state.rules.memory.mode == "on":
+        assert time.monotonic() < deadline, gw.log.getvalue()
+        await asyncio.sleep(0.05)
+    assert gw.state.rules.memory.mode == "shadow"
