@@ -123,7 +123,7 @@ def test_growing_session_is_parsed_once() -> None:
         if t:
             assert d.view.known == len(msgs) - 2  # everything the previous request had
     assert cache.hits == 29 and cache.misses == 1
-    one = 2 * len(raw) + 256 * len(msgs)  # an entry's estimated memory
+    one = 3 * len(raw) + 384 * len(msgs)  # an entry's estimated memory
     small = HistoryCache(one + 10, 10)
     for k in range(3):
         decide(raw, orjson.loads(raw), rules, TOK, OPENAI_CHAT, history=small, key=("t", str(k)))

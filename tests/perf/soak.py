@@ -136,8 +136,14 @@ def main() -> None:
         asyncio.run(run(url, 3, 10))  # warm-up
         print(f"start: gateway RSS {rss_mb(gw.p.pid):.1f} MB, open fds {fds(gw.p.pid)}")
         if args.requests:
-            print("bounds (rules/gateway.yaml): session.history_cache_mb 256 (estimated "
-                  "memory), session.max_tracked 10000, tokens.cache_size 200000 entries")
+            from gateway.cli import default_config
+            from gateway.rules import load_rules
+
+            cfg = default_config(None, os.environ)
+            r = load_rules(cfg, os.environ)
+            print(f"bounds ({cfg}): session.history_cache_mb {r.history_cache_mb}, "
+                  f"session.max_tracked {r.max_tracked_sessions}, tokens.cache_size "
+                  f"{r.token_cache_size} entries")
             step = args.requests // 10
             done = 0
             t0 = time.monotonic()
