@@ -56,10 +56,11 @@ def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
 # --------------------------------------------------------------------------- serve
 
 
-async def serve_forever(app: Any, host: str, port: int, log: Any) -> int:
+async def serve_forever(app: Any, host: str, port: int, log: Any, drain_s: float = 30.0) -> int:
     from aiohttp import web
 
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=30)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=drain_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
@@ -72,7 +73,7 @@ async def serve_forever(app: Any, host: str, port: int, log: Any) -> int:
         loop.add_signal_handler(sig, stop.set)
     log.info("listening", host=host, port=port)
     await stop.wait()
-    log.info("shutting_down", drain_s=30)
+    log.info("shutting_down", drain_s=drain_s)
     await runner.cleanup()
     return 0
 
@@ -95,7 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or rules.listen_host
     port = args.port if args.port is not None else rules.listen_port
     gc.set_threshold(50_000, 20, 20)
-    return run_async(lambda: serve_forever(app, host, port, log))
+    return run_async(lambda: serve_forever(app, host, port, log, args.drain_s))
 
 
 # --------------------------------------------------------------------------- check-config
@@ -337,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None)
     s.add_argument("--port", type=int, default=None)
     s.add_argument("--upstream", help="OpenAI-compatible upstream base URL (= MEMGATE_UPSTREAM)")
+    s.add_argument("--drain-s", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests and streams may finish (30)")
     s.add_argument("--anthropic-upstream",
                    help="Anthropic upstream base URL (= MEMGATE_ANTHROPIC_UPSTREAM)")
     s.set_defaults(func=cmd_serve)

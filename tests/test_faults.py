@@ -42,34 +42,40 @@ async def slow_stream_upstream(aiohttp_server: Any, n: int, gap_s: float) -> Any
     return await aiohttp_server(app)
 
 
+async def start_serve(upstream_url: str, tmp_path: Path, *extra: str) -> tuple[Any, int, Path]:
+    """`memgate serve` as its own process; (process, port, log file) once it listens."""
+    port = free_port()
+    log = tmp_path / f"serve-{port}.log"
+    with log.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "serve", "--port", str(port),
+            "--config", str(ROOT / "rules" / "gateway.yaml"), "--upstream", upstream_url,
+            *extra, stdout=out, stderr=out, cwd=tmp_path,
+            env={**os.environ, "MEMGATE_ENABLE_EVICTION": "1"},
+        )
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+            w.close()
+            return proc, port, log
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(log.read_text()) from None
+            await asyncio.sleep(0.1)
+
+
 async def test_sigterm_drains_in_flight_stream(aiohttp_server: Any, tmp_path: Path) -> None:
     """`memgate serve` on SIGTERM stops accepting, finishes the stream in flight (every
     chunk and the end of the stream), writes its [mem] line and exits 0."""
     up = await slow_stream_upstream(aiohttp_server, n=12, gap_s=0.1)
-    port = free_port()
-    log = tmp_path / "serve.log"
-    with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway", "serve", "--port", str(port),
-            "--config", str(ROOT / "rules" / "gateway.yaml"),
-            "--upstream", str(up.make_url("")).rstrip("/"),
-            stdout=out, stderr=out, cwd=tmp_path,
-            env={**os.environ, "MEMGATE_ENABLE_EVICTION": "1"},
-        )
+    proc, port, log = await start_serve(str(up.make_url("")).rstrip("/"), tmp_path)
     try:
-        url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        deadline = time.monotonic() + 20
-        while True:  # wait until it listens
-            try:
-                _, w = await asyncio.open_connection("127.0.0.1", port)
-                w.close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, log.read_text()
-                await asyncio.sleep(0.1)
         body = orjson.dumps({**sample("chat_short"), "stream": True})
         async with aiohttp.ClientSession() as s, s.post(
-                url, data=body, headers={"Content-Type": "application/json"}) as r:
+                f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                headers={"Content-Type": "application/json"}) as r:
             first = await r.content.readany()
             assert first.startswith(b"data: ")
             proc.send_signal(signal.SIGTERM)
@@ -92,6 +98,35 @@ async def test_sigterm_drains_in_flight_stream(aiohttp_server: Any, tmp_path: Pa
         mem = [ln for ln in text.splitlines() if ln.startswith("[mem] ")]
         assert len(mem) == 1 and "status=200" in mem[0] and "stream=" not in mem[0], text
         assert "shutting_down" in text
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_sigterm_drain_has_a_deadline(aiohttp_server: Any, tmp_path: Path) -> None:
+    """A stream longer than --drain-s is cut at the deadline: the process exits 0 in
+    time and the [mem] line says the stream did not complete."""
+    up = await slow_stream_upstream(aiohttp_server, n=200, gap_s=0.05)  # 10 s
+    proc, port, log = await start_serve(str(up.make_url("")).rstrip("/"), tmp_path,
+                                        "--drain-s", "1")
+    try:
+        body = orjson.dumps({**sample("chat_short"), "stream": True})
+        async with aiohttp.ClientSession() as s, s.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                headers={"Content-Type": "application/json"}) as r:
+            await r.content.readany()
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                got = await r.content.read()
+            except aiohttp.ClientPayloadError:
+                got = b""
+            assert b"[DONE]" not in got
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert time.monotonic() - t0 < 5
+        mem = [ln for ln in log.read_text().splitlines() if ln.startswith("[mem] ")]
+        assert len(mem) == 1 and "stream=" in mem[0], log.read_text()
     finally:
         if proc.returncode is None:
             proc.kill()
