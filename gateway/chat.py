@@ -90,7 +90,9 @@ class Decision:
         """Count these messages in a worker thread (tiktoken releases the GIL): a cold
         megabyte history is not tokenized on the event loop."""
         items = self.messages
-        todo = [i for i in indices if self.message_tokens_known(i) is None]
+        if self._msg_tokens is None:
+            self._msg_tokens = [-1] * len(items)
+        todo = [i for i in indices if self._msg_tokens[i] < 0]
         if not todo:
             return
         # a private, uncached counter: confined to the worker thread
@@ -98,13 +100,8 @@ class Decision:
         batch = [items[i] for i in todo]
         counts = await asyncio.get_running_loop().run_in_executor(
             None, lambda: [wire.item_tokens(m, plain) for m in batch])
-        assert self._msg_tokens is not None
         for i, n in zip(todo, counts):
             self._msg_tokens[i] = self._scaled(n)
-
-    def message_tokens_known(self, i: int) -> int | None:
-        counts = self._msg_tokens
-        return None if counts is None or counts[i] < 0 else counts[i]
 
     def hist_chars(self) -> int:
         if self.conv is not None:

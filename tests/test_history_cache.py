@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -130,12 +131,17 @@ def test_growing_session_is_parsed_once() -> None:
     assert len(small) == 1 and small.bytes <= small.max_bytes
 
 
-async def test_big_cold_history_counted_off_loop_exactly(gateway: Any, upstream: Any) -> None:
+@pytest.mark.parametrize(("cache_mb", "evict"), [(256, True), (0, True), (0, False)])
+async def test_big_cold_history_counted_off_loop_exactly(
+    gateway: Any, upstream: Any, cache_mb: int, evict: bool
+) -> None:
     """A history past the off-loop threshold gets the same est_tokens in its [mem]
-    line as counting it directly; the next, grown request reuses the counts."""
+    line as counting it directly, with the history cache on (the next, grown request
+    reuses the counts) and off."""
     from .test_proxy import post_raw
 
-    gw = await gateway(memory={"enable_eviction": True})
+    gw = await gateway(memory={"enable_eviction": evict, "shadow": False},
+                       session={"history_cache_mb": cache_mb})
     msgs: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
     for t in range(60):
         msgs += [{"role": "user", "content": f"turn {t}: " + "订单 gateway budget " * 120},
@@ -151,4 +157,5 @@ async def test_big_cold_history_counted_off_loop_exactly(gateway: Any, upstream:
         assert int(ev["est_tokens"]) == direct.est_tokens()
         assert int(ev["hist_msgs"]) == len(msgs)
         msgs += [{"role": "user", "content": "and next?"}]
-    assert gw.state.history.hits == 1  # the second request: only what was appended parsed
+    # the second request: only what was appended parsed (with the cache on)
+    assert gw.state.history.hits == (1 if cache_mb else 0)
