@@ -207,31 +207,32 @@ def main() -> None:
                 f"{lat:>11.3f} {rps:>8.0f}" for lat, rps in row.values())
                 + f" | {row['memgate-on'][0] / pt_l:>9.2f} {row['memgate-on'][1] / pt_r:>10.2f}"
                   f" {row['memgate-off'][0] / pt_l:>11.2f}")
-        on = targets["memgate-on"]
-        url = f"http://127.0.0.1:{on.port}/v1/chat/completions"
-        print("\ngrowing session (memgate-on, warm): gateway CPU per request, each request ="
-              " the previous history + one turn")
+        print("\ngrowing session, warm: CPU per request, each request = the previous history"
+              " + one turn (5 warm-up requests, then 100 measured)")
         for turns in (10, 100, 1000):
-            msgs = history(turns * 2, seed=turns)
-            asyncio.run(latency(url, body(msgs), 0.3))
-            c0 = on.cpu_s()
-            end = time.time() + args.seconds
+            cpu = []
+            for name in ("passthrough", "memgate-on"):
+                proc = targets[name]
+                u = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
 
-            async def grow(h: list[dict[str, Any]]) -> int:
-                k = 0
-                async with aiohttp.ClientSession() as s:
-                    while time.time() < end:
-                        h += [{"role": "user", "content": f"step {k}"},
-                              {"role": "assistant", "content": f"done {k}"}]
-                        async with s.post(url, data=body(h), headers={
-                                "X-Session-Id": f"grow-{turns}"}) as r:
-                            await r.read()
-                        k += 1
-                return k
+                async def grow(h: list[dict[str, Any]], n: int, u: str = u,
+                               turns: int = turns) -> None:
+                    async with aiohttp.ClientSession() as s:
+                        for k in range(n):
+                            h += [{"role": "user", "content": f"step {k}"},
+                                  {"role": "assistant", "content": f"done {k}"}]
+                            async with s.post(u, data=body(h), headers={
+                                    "X-Session-Id": f"grow-{turns}"}) as r:
+                                await r.read()
 
-            n = asyncio.run(grow(list(msgs)))
-            print(f"  history {turns * 2:>5} messages: {(on.cpu_s() - c0) / n * 1000:.3f} ms CPU"
-                  f" per request ({n} requests)")
+                h = history(turns * 2, seed=turns)
+                asyncio.run(grow(h, 5))
+                c0 = proc.cpu_s()
+                asyncio.run(grow(h, 100))
+                cpu.append((proc.cpu_s() - c0) / 100 * 1000)
+            print(f"  turn {turns:>5} ({turns * 2:>5} messages): passthrough {cpu[0]:.2f} ms, "
+                  f"memgate-on {cpu[1]:.2f} ms, memgate-on minus passthrough "
+                  f"{cpu[1] - cpu[0]:.2f} ms")
         print("\ncold 1 MB history (nothing cached): time to first byte")
         for t, proc in targets.items():
             u = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
