@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gateway.carry import Message, build_snapshot
 from gateway.mock_upstream import RECORD, create_mock_app
@@ -148,3 +151,25 @@ async def test_admin_snapshot_view_needs_the_token(
             (snap,) = data["tenants"].values()
             assert snap["resolved_refs"]["that path"] == "/data/orders"
             assert SECRET not in str(data)
+
+
+# --------------------------------------------------------------------------- prefilter
+
+_TRICKY = list("aeiklnoprstvcSIK-./: 服务它路径 ſİıKé\n") + [
+    "service", "-service", "http://", "/data/x", "report.csv", "Service A", "ss", "SS", "ſs",
+    "abbc.d", "foo-baz", "BAR-BAZ", "xq", "XYZQ"]
+_SYNTHETIC = [r"ab+c\.d", r"(?:foo|bar)-baz", r"x(?:yz|w)?q", r"(?<!\w)k[a-z]*服务", r"\bSS\b"]
+
+
+@given(text=st.lists(st.sampled_from(_TRICKY), max_size=40).map("".join))
+def test_prefilter_never_hides_a_match(text: str) -> None:
+    """`may_match` is False only when the pattern really has no match (case folding
+    included: the fixed part is compiled with the pattern's own flags)."""
+    from gateway.carry.rules import may_match, required
+
+    pats = [p for _, p in RULES.memory.carry_patterns.refs] + [
+        re.compile(s, re.IGNORECASE | re.MULTILINE) for s in _SYNTHETIC]
+    for pat in pats:
+        if not may_match(pat, text):
+            assert required(pat) is not None
+            assert list(pat.finditer(text)) == [], pat.pattern

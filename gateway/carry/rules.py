@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from re import _constants, _parser  # type: ignore[attr-defined]
 
 from ..errors import RulesError
 
 PICKS = ("latest", "earlier", "later")
+_LITERAL = _constants.LITERAL
+_BRANCH = _constants.BRANCH
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +35,60 @@ class CarryPatterns:
     small_talk: re.Pattern[str]
     output_verbs: re.Pattern[str]
     note: str
+
+
+def _literal_piece(op: Any, av: Any) -> tuple[str, int] | None:
+    """(regex source, shortest length) of a node that matches only fixed strings: a
+    literal character, or an alternation whose branches are all literal strings."""
+    if op is _LITERAL:
+        return re.escape(chr(av)), 1
+    if op is _BRANCH:
+        alts = []
+        for branch in av[1]:
+            if not branch or any(o is not _LITERAL for o, _ in branch):
+                return None
+            alts.append("".join(chr(a) for _, a in branch))
+        return "(?:" + "|".join(map(re.escape, alts)) + ")", min(map(len, alts))
+    return None
+
+
+@functools.lru_cache(maxsize=512)
+def required(pattern: re.Pattern[str]) -> re.Pattern[str] | None:
+    """A cheap pattern that every match of `pattern` contains, or None.
+
+    The longest run of consecutive top-level fixed-string nodes (literal characters,
+    alternations of literal strings), compiled with the same flags: same case folding,
+    so if it finds nothing in a text, `pattern` cannot match there either. Most
+    messages lack the rare part of most ref patterns ("/", "服务", "-service"), and one
+    fast scan for it replaces a slow scan with backtracking.
+    """
+    try:
+        tree = _parser.parse(pattern.pattern, pattern.flags)
+    except Exception:  # noqa: BLE001 - a prefilter is optional, the pattern still works
+        return None
+    best: tuple[list[str], int] = ([], 0)
+    run: list[str] = []
+    size = 0
+    for op, av in tree:
+        piece = _literal_piece(op, av)
+        if piece is None:
+            if size > best[1]:
+                best = (run, size)
+            run, size = [], 0
+            continue
+        run.append(piece[0])
+        size += piece[1]
+    if size > best[1]:
+        best = (run, size)
+    if not best[1] or (len(tree) == len(best[0])):  # nothing fixed, or the pattern itself
+        return None
+    return re.compile("".join(best[0]), pattern.flags)
+
+
+def may_match(pattern: re.Pattern[str], text: str) -> bool:
+    """False only when `pattern` certainly has no match in `text`."""
+    need = required(pattern)
+    return need is None or need.search(text) is not None
 
 
 def _compile(file: str, key: str, pattern: Any) -> re.Pattern[str]:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .rules import CarryPatterns, Deictic
+from .rules import CarryPatterns, Deictic, may_match
 
 SEED_KEEP = ("task_state", "resolved_refs", "confirmed_constraints", "output_file")
 ALL_FIELDS = (*SEED_KEEP, "refs", "tool_results", "dropped_candidates", "ambiguous")
@@ -88,6 +88,8 @@ def _refs_in(p: CarryPatterns, text: str) -> list[tuple[str, str]]:
     taken: list[tuple[int, int]] = []
     found: list[tuple[int, str, str]] = []
     for rtype, pat in p.refs:
+        if not may_match(pat, text):  # one fast scan for the pattern's fixed part
+            continue
         for mt in pat.finditer(text):
             a, b = mt.span()
             if any(a < y and x < b for x, y in taken):
