@@ -6,10 +6,10 @@ import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from re import _constants, _parser  # type: ignore[attr-defined]
 from typing import Any
 
 import yaml
-from re import _constants, _parser  # type: ignore[attr-defined]
 
 from ..errors import RulesError
 
