@@ -103,6 +103,7 @@ def create_app(
         log=log,
     )
     state.memory = MemoryService(env or {}, log)
+    state.metrics.watch_history(state.history)
 
     # the body limit is enforced per request from the live rules (it can be reloaded)
     app = web.Application(client_max_size=1 << 40)

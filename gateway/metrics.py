@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
     from .chat import Decision
+    from .history import HistoryCache
     from .upstream import Relayed
 
 TOKEN_BUCKETS = (250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000, 256000)
@@ -53,6 +57,10 @@ class Metrics:
         self.bytes_relayed = Counter("memgate_relayed_bytes_total",
                                      "Response bytes relayed to clients", ["route"], registry=r)
 
+    def watch_history(self, cache: HistoryCache) -> None:
+        """Export the per-session history cache: hits, misses, entries, estimated bytes."""
+        self.registry.register(_HistoryCollector(cache))
+
     def observe(
         self, route: str, mode: str, d: Decision | None, info: Relayed, overhead_s: float,
         est_tokens: int | None,
@@ -84,3 +92,24 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _HistoryCollector:
+    """Read at scrape time: nothing is counted twice on the request path."""
+
+    def __init__(self, cache: HistoryCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.cache
+        yield CounterMetricFamily("memgate_history_cache_hits",
+                                  "Requests whose session history was parsed only where it grew",
+                                  value=c.hits)
+        yield CounterMetricFamily("memgate_history_cache_misses",
+                                  "Requests parsed from the start (new, edited or evicted)",
+                                  value=c.misses)
+        yield GaugeMetricFamily("memgate_history_cache_entries", "Sessions held",
+                                value=len(c))
+        yield GaugeMetricFamily("memgate_history_cache_bytes",
+                                "Estimated memory held (bounded by session.history_cache_mb)",
+                                value=c.bytes)

@@ -46,4 +46,9 @@ async def test_metrics_count_requests_drops_and_reloads(
     assert value(text, 'memgate_history_tokens_before_sum{route="openai_chat"}') == 2 * int(
         ev["est_tokens"])
     assert value(text, 'memgate_config_reloads_total{result="failed"}') == 1
+    # the second request was the same session's history again: parsed only where it grew
+    assert value(text, "memgate_history_cache_hits_total") == 1
+    assert value(text, "memgate_history_cache_misses_total") == 1
+    assert value(text, "memgate_history_cache_entries") == 1
+    assert 0 < value(text, "memgate_history_cache_bytes") <= 256 << 20
     assert "secret-session-name" not in text and SECRET not in text
