@@ -45,6 +45,11 @@ class GatewayState:
     def rules(self) -> Rules:
         return self.reloader.rules
 
+    @property
+    def history_cache(self) -> HistoryCache | None:
+        """The per-session history cache, or None when configured off (size 0)."""
+        return self.history if self.history.max_entries else None
+
 
 STATE = web.AppKey("memgate_state", GatewayState)
 

@@ -214,8 +214,8 @@ def _decide(
         payload = None
     items = wire.items(payload) if isinstance(payload, dict) else None
     session = _session(request, rules.session_header, payload, items, tenant)
-    history = state.history if state.history.max_entries else None
-    d = decide(raw, payload, rules, state.tokenizers, wire, history=history, key=(tenant, session))
+    d = decide(raw, payload, rules, state.tokenizers, wire, history=state.history_cache,
+               key=(tenant, session))
     return d, session
 
 
@@ -245,9 +245,8 @@ async def _with_recall(
     recalled = await recall(store, rules.store, tenant, session, d)
     if not recalled:
         return d
-    history = state.history if state.history.max_entries else None
     return decide(d.raw, d.payload, rules, state.tokenizers, wire, recalled=recalled,
-                  history=history, key=(tenant, session))
+                  history=state.history_cache, key=(tenant, session))
 
 
 async def _log_mem(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -18,12 +17,7 @@ import orjson
 from aiohttp import web
 
 from .conftest import ROOT, SECRET, GatewayFactory, Upstream, sample, sse_chunks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .perf.bench_gateway import free_port
 
 
 async def slow_stream_upstream(aiohttp_server: Any, n: int, gap_s: float) -> Any:

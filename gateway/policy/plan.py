@@ -83,6 +83,7 @@ class _State:
     max_tokens: int = _NO_LIMIT
     max_chars: int = _NO_LIMIT
     max_messages: int = _NO_LIMIT
+    first_current: int = 0  # the first group of the current turn
 
     def tokens(self, g: int) -> int:
         n = self.group_tokens[g]
@@ -242,9 +243,7 @@ def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
     conv = st.conv
     step = 1.0 - st.rules.low_water
     groups = conv.groups
-    end = len(groups)
-    while end and groups[end - 1].turn >= conv.n_turns:  # the current turn is not cut
-        end -= 1
+    end = st.first_current  # the current turn is not cut
     mt, mc, mm = limits.max_tokens, limits.max_chars, limits.max_messages
     per_turn: dict[int, float] = {}
     get = per_turn.get
@@ -381,6 +380,7 @@ def plan(
     first_current = len(groups)
     while first_current and groups[first_current - 1].turn == conv.n_turns:
         first_current -= 1
+    st.first_current = first_current
     current = range(first_current, len(groups))
     st.keep(current, "current")
     for name in rules.order:
