@@ -62,6 +62,18 @@ def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+async def post_ok(s: aiohttp.ClientSession, url: str, data: bytes, session: str) -> bool:
+    """POST one chat body for `session`; True on HTTP 200 (an error or a failed
+    connection is False)."""
+    try:
+        async with s.post(url, data=data, headers={"Content-Type": "application/json",
+                                                   "X-Session-Id": session}) as r:
+            await r.read()
+            return r.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
 async def run(url: str, seconds: float, clients: int) -> tuple[int, int]:
     ok = errors = 0
     end = time.monotonic() + seconds
@@ -74,14 +86,8 @@ async def run(url: str, seconds: float, clients: int) -> tuple[int, int]:
         async with aiohttp.ClientSession() as s:
             while time.monotonic() < end:
                 data = (stream if k % 2 else plain).replace(b"and now?", f"{k}-{n}?".encode())
-                try:
-                    async with s.post(url, data=data, headers={
-                            "Content-Type": "application/json", "X-Session-Id": f"soak-{k}"}) as r:
-                        await r.read()
-                        ok += r.status == 200
-                        errors += r.status != 200
-                except aiohttp.ClientError:
-                    errors += 1
+                good = await post_ok(s, url, data, f"soak-{k}")
+                ok, errors = ok + good, errors + (not good)
                 n += 1
 
     await asyncio.gather(*(client(k) for k in range(clients)))
@@ -105,15 +111,8 @@ async def spread(url: str, start: int, stop: int, sessions: int, clients: int
                         *bases[sid % len(bases)], *[{"role": "user", "content": f"{sid} q{t}"}
                                                     for t in range(n // sessions)]]
                 data = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
-                try:
-                    async with s.post(url, data=data, headers={
-                            "Content-Type": "application/json",
-                            "X-Session-Id": f"spread-{sid}"}) as r:
-                        await r.read()
-                        ok += r.status == 200
-                        errors += r.status != 200
-                except aiohttp.ClientError:
-                    errors += 1
+                good = await post_ok(s, url, data, f"spread-{sid}")
+                ok, errors = ok + good, errors + (not good)
 
     await asyncio.gather(*(client() for _ in range(clients)))
     return ok, errors
