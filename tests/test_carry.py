@@ -155,21 +155,65 @@ async def test_admin_snapshot_view_needs_the_token(
 
 # --------------------------------------------------------------------------- prefilter
 
-_TRICKY = list("aeiklnoprstvcSIK-./: 服务它路径 ſİıKé\n") + [
+_CASE_CHARS = "aeiklnoprstvcSIKſİıKéßẞΣσςµμΜͅιιΙΐΐﬅﬆθϑΘ"
+_TRICKY = list("-./: 服务它路径 \n?？") + list(_CASE_CHARS) + [
     "service", "-service", "http://", "/data/x", "report.csv", "Service A", "ss", "SS", "ſs",
-    "abbc.d", "foo-baz", "BAR-BAZ", "xq", "XYZQ"]
-_SYNTHETIC = [r"ab+c\.d", r"(?:foo|bar)-baz", r"x(?:yz|w)?q", r"(?<!\w)k[a-z]*服务", r"\bSS\b"]
+    "abbc.d", "foo-baz", "BAR-BAZ", "xq", "XYZQ", "it", "IT", "ıt", "İt", "that file",
+    "THAT FİLE", "thaT ſervice", "2024-01-02", "that ſervıce", "ßß", "ΣΑΣ", "stﬅ"]
+_SYNTHETIC = [r"ab+c\.d", r"(?:foo|bar)-baz", r"x(?:yz|w)?q", r"(?<!\w)k[a-z]*服务", r"\bSS\b",
+              r"ss|ẞ", r"σας|µ", r"(?:ab|cd)+x", r"(?-i:Service) [a-z]", r"(?i:IT)|THAT",
+              r"[sS]t(?:ﬅ|x)", r"ΐ[0-9]?", r"(?:a|b)(?:c|d)(?:e|f)", r"x{2}y|z", r"(?:service)?-baz",
+              r"(?:that )*file"]
+
+
+def _all_patterns() -> list[re.Pattern[str]]:
+    p = RULES.memory.carry_patterns
+    return ([pat for _, pat in p.refs] + [d.pattern for d in p.deictics]
+            + [p.create, p.ask, p.close, p.small_talk, p.output_verbs]
+            + [re.compile(s, re.IGNORECASE | re.MULTILINE) for s in _SYNTHETIC]
+            + [re.compile(s) for s in _SYNTHETIC])
 
 
 @given(text=st.lists(st.sampled_from(_TRICKY), max_size=40).map("".join))
 def test_prefilter_never_hides_a_match(text: str) -> None:
-    """`may_match` is False only when the pattern really has no match (case folding
-    included: the fixed part is compiled with the pattern's own flags)."""
-    from gateway.carry.rules import may_match, required
+    """`may_match` is False only when the pattern really has no match: case folding as
+    `re.IGNORECASE` does it (s/ſ, i/ı/İ, k/K, σ/ς, ß/ẞ), inline flag groups, alternations,
+    repeats."""
+    from gateway.carry.rules import fold, may_match
 
-    pats = [p for _, p in RULES.memory.carry_patterns.refs] + [
-        re.compile(s, re.IGNORECASE | re.MULTILINE) for s in _SYNTHETIC]
-    for pat in pats:
-        if not may_match(pat, text):
-            assert required(pat) is not None
+    folded = fold(text)
+    for pat in _all_patterns():
+        if not may_match(pat, text, folded):
             assert list(pat.finditer(text)) == [], pat.pattern
+
+
+def test_prefilter_has_fixed_strings_for_the_shipped_rules() -> None:
+    """The shipped patterns all get a prefilter (otherwise every message pays the slow scan)."""
+    from gateway.carry.rules import required
+
+    p = RULES.memory.carry_patterns
+    for pat in [pat for _, pat in p.refs] + [d.pattern for d in p.deictics] + [
+            p.create, p.ask, p.close, p.output_verbs]:
+        assert required(pat) is not None, pat.pattern
+    assert required(re.compile(r"(?-i:A)b", re.IGNORECASE)) is None  # a flag group: no prefilter
+    assert required(re.compile(r"\w+")) is None
+
+
+def test_fold_is_how_ignorecase_compares_characters() -> None:
+    """Two characters match each other under `re.IGNORECASE` exactly when their folds are
+    equal; checked for every pair drawn from the case-special characters and their
+    upper/lower forms. fold() keeps the length (one character for one)."""
+    from re import _casefix  # type: ignore[attr-defined]
+
+    from gateway.carry.rules import fold
+
+    chars = set(_CASE_CHARS) | {"ǅ", "ǆ", "Ǆ", "ᲀ", "в", "В", "ẛ", "ṡ", "Ṡ"}
+    for lo, others in _casefix._EXTRA_CASES.items():
+        chars |= {chr(lo), *map(chr, others)}
+    chars |= {c.upper() for c in chars if len(c.upper()) == 1}
+    chars |= {c.lower() for c in chars if len(c.lower()) == 1}
+    for a in chars:
+        assert len(fold(a)) == 1 and len(fold(a + "x" + a)) == 3, repr(a)
+        pat = re.compile(re.escape(a), re.IGNORECASE)
+        for b in chars:
+            assert (pat.fullmatch(b) is not None) == (fold(a) == fold(b)), (a, b)

@@ -6,7 +6,7 @@ import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from re import _constants, _parser  # type: ignore[attr-defined]
+from re import _casefix, _constants, _parser  # type: ignore[attr-defined]
 from typing import Any
 
 import yaml
@@ -14,8 +14,6 @@ import yaml
 from ..errors import RulesError
 
 PICKS = ("latest", "earlier", "later")
-_LITERAL = _constants.LITERAL
-_BRANCH = _constants.BRANCH
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,58 +35,179 @@ class CarryPatterns:
     note: str
 
 
-def _literal_piece(op: Any, av: Any) -> tuple[str, int] | None:
-    """(regex source, shortest length) of a node that matches only fixed strings: a
-    literal character, or an alternation whose branches are all literal strings."""
-    if op is _LITERAL:
-        return re.escape(chr(av)), 1
-    if op is _BRANCH:
-        alts = []
+_ZERO_WIDTH = {_constants.AT, _constants.ASSERT, _constants.ASSERT_NOT}
+_MAX_STRINGS = 64  # a fixed node set larger than this ends the run
+
+
+def _case_classes() -> dict[int, str]:
+    """Code point -> representative of the characters `re.IGNORECASE` treats as one
+    (sre compares simple lowercases, plus these extra pairs such as s/ſ and i/ı)."""
+    parent: dict[int, int] = {}
+
+    def find(c: int) -> int:
+        while parent.get(c, c) != c:
+            c = parent[c]
+        return c
+
+    for lo, others in _casefix._EXTRA_CASES.items():
+        for o in others:
+            a, b = find(lo), find(o)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    members = set(parent) | set(parent.values())
+    return {c: chr(find(c)) for c in members if find(c) != c}
+
+
+_REP = _case_classes()
+_REP_CHARS = re.compile("[" + "".join(map(re.escape, map(chr, _REP))) + "]")
+_FULL_LOWER = {0x130: "i"}  # the one code point whose str.lower() is not its simple lowercase
+
+
+def fold(text: str) -> str:
+    """`text` as `re.IGNORECASE` compares it, one character for one: the simple lowercase
+    of each character mapped to its case class. A literal matches case-insensitively at
+    a position exactly where `fold(literal)` equals `fold(text)` there."""
+    if text.isascii():
+        return text.lower()
+    if "\u0130" in text:
+        text = text.translate(_FULL_LOWER)
+    low = text.lower()
+    return low.translate(_REP) if _REP_CHARS.search(low) else low
+
+
+def _fixed(op: Any, av: Any) -> set[str] | None:
+    """Every string a node can match, when that is a small finite set."""
+    if op is _constants.LITERAL:
+        return {chr(av)}
+    if op is _constants.IN and all(o is _constants.LITERAL for o, _ in av):
+        return {chr(a) for _, a in av} or None
+    if op is _constants.SUBPATTERN and not av[1] and not av[2]:
+        return _fixed_seq(av[3])
+    if op is _constants.BRANCH:
+        out: set[str] = set()
         for branch in av[1]:
-            if not branch or any(o is not _LITERAL for o, _ in branch):
+            s = _fixed_seq(branch)
+            if s is None:
                 return None
-            alts.append("".join(chr(a) for _, a in branch))
-        return "(?:" + "|".join(map(re.escape, alts)) + ")", min(map(len, alts))
+            out |= s
+        return out if len(out) <= _MAX_STRINGS else None
     return None
 
 
-@functools.lru_cache(maxsize=512)
-def required(pattern: re.Pattern[str]) -> re.Pattern[str] | None:
-    """A cheap pattern that every match of `pattern` contains, or None.
+def _fixed_seq(seq: Any) -> set[str] | None:
+    out = {""}
+    for op, av in seq:
+        if op in _ZERO_WIDTH:
+            continue
+        s = _fixed(op, av)
+        if s is None or len(out) * len(s) > _MAX_STRINGS:
+            return None
+        out = {a + b for a in out for b in s}
+    return out
 
-    The longest run of consecutive top-level fixed-string nodes (literal characters,
-    alternations of literal strings), compiled with the same flags: same case folding,
-    so if it finds nothing in a text, `pattern` cannot match there either. Most
-    messages lack the rare part of most ref patterns ("/", "服务", "-service"), and one
-    fast scan for it replaces a slow scan with backtracking.
+
+def _score(s: set[str] | None) -> tuple[int, int]:
+    return (min(map(len, s)), -len(s)) if s else (0, 0)
+
+
+def _needed(seq: Any) -> set[str] | None:
+    """A set of strings at least one of which every match of `seq` contains (None: no
+    such set found): the best run of consecutive fixed nodes, or what a mandatory group,
+    repeat or alternation needs inside."""
+    best: set[str] | None = None
+    run: set[str] = {""}
+    for op, av in seq:
+        if op in _ZERO_WIDTH:
+            continue
+        s = _fixed(op, av)
+        if s is not None and len(run) * len(s) <= _MAX_STRINGS:
+            run = {a + b for a in run for b in s}
+        else:
+            if _score(run) > _score(best):
+                best = run
+            run = s if s is not None else {""}
+        if s is None:
+            inner: set[str] | None = None
+            if op is _constants.SUBPATTERN:
+                inner = _needed(av[3])
+            elif op in (_constants.MAX_REPEAT, _constants.MIN_REPEAT) and av[0] >= 1:
+                inner = _needed(av[2])
+            elif op is _constants.BRANCH:
+                parts = [_needed(b) for b in av[1]]
+                if all(parts):
+                    inner = set().union(*parts)  # type: ignore[arg-type]
+            if _score(inner) > _score(best):
+                best = inner
+    if _score(run) > _score(best):
+        best = run
+    return best if _score(best)[0] > 0 else None
+
+
+def _flags_change(seq: Any) -> bool:
+    """True when a group sets or clears flags inside the pattern (e.g. `(?-i:...)`)."""
+    for op, av in seq:
+        if op is _constants.SUBPATTERN:
+            if av[1] or av[2] or _flags_change(av[3]):
+                return True
+        elif op is _constants.BRANCH:
+            if any(_flags_change(b) for b in av[1]):
+                return True
+        elif op in (_constants.MAX_REPEAT, _constants.MIN_REPEAT, _constants.POSSESSIVE_REPEAT):
+            if _flags_change(av[2]):
+                return True
+        elif op in (_constants.ASSERT, _constants.ASSERT_NOT) and _flags_change(av[1]):
+            return True
+        elif op is _constants.ATOMIC_GROUP and _flags_change(av):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=512)
+def required(pattern: re.Pattern[str]) -> tuple[tuple[str, ...], bool] | None:
+    """(strings, folded): every match of `pattern` contains one of these strings —
+    compared on `fold(text)` when `folded` (the pattern ignores case) — or None.
+
+    Taken from the pattern's parse: its longest run of fixed pieces (literal characters,
+    small character sets, alternations of fixed strings), or what each branch of a
+    top-level alternation needs. Most messages contain none of a pattern's fixed
+    strings ("/", "服务", "that file"), and a few substring searches replace a scan with
+    backtracking; Python's regex engine tries every position of an alternation.
     """
+    if pattern.flags & re.ASCII and pattern.flags & re.IGNORECASE:
+        return None  # ASCII-only case folding: not what fold() models
     try:
         tree = _parser.parse(pattern.pattern, pattern.flags)
     except Exception:  # noqa: BLE001 - a prefilter is optional, the pattern still works
         return None
-    best: tuple[list[str], int] = ([], 0)
-    run: list[str] = []
-    size = 0
-    for op, av in tree:
-        piece = _literal_piece(op, av)
-        if piece is None:
-            if size > best[1]:
-                best = (run, size)
-            run, size = [], 0
-            continue
-        run.append(piece[0])
-        size += piece[1]
-    if size > best[1]:
-        best = (run, size)
-    if not best[1] or (len(tree) == len(best[0])):  # nothing fixed, or the pattern itself
+    if _flags_change(tree):
         return None
-    return re.compile("".join(best[0]), pattern.flags)
+    need = _needed(tree)
+    if need is None:
+        return None
+    icase = bool(pattern.flags & re.IGNORECASE)
+    return tuple(sorted({fold(s) if icase else s for s in need})), icase
 
 
-def may_match(pattern: re.Pattern[str], text: str) -> bool:
-    """False only when `pattern` certainly has no match in `text`."""
-    need = required(pattern)
-    return need is None or need.search(text) is not None
+_NEEDS: dict[int, tuple[re.Pattern[str], tuple[tuple[str, ...], bool] | None]] = {}
+
+
+def may_match(pattern: re.Pattern[str], text: str, folded: str | None = None) -> bool:
+    """False only when `pattern` certainly has no match in `text`; `folded` is
+    `fold(text)` when the caller has it (one per message for all patterns)."""
+    hit = _NEEDS.get(id(pattern))
+    if hit is None or hit[0] is not pattern:
+        if len(_NEEDS) > 512:  # patterns of replaced rules
+            _NEEDS.clear()
+        hit = _NEEDS[id(pattern)] = (pattern, required(pattern))
+    need = hit[1]
+    if need is None:
+        return True
+    strings, icase = need
+    hay = text if not icase else fold(text) if folded is None else folded
+    for s in strings:
+        if s in hay:
+            return True
+    return False
 
 
 def _compile(file: str, key: str, pattern: Any) -> re.Pattern[str]:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .rules import CarryPatterns, Deictic, may_match
+from .rules import CarryPatterns, Deictic, fold, may_match
 
 SEED_KEEP = ("task_state", "resolved_refs", "confirmed_constraints", "output_file")
 ALL_FIELDS = (*SEED_KEEP, "refs", "tool_results", "dropped_candidates", "ambiguous")
@@ -73,6 +73,8 @@ class Snapshot:
 
 
 def _sentences_with_question(text: str) -> str:
+    if "?" not in text and "？" not in text:
+        return text.strip()[:160]
     parts = re.split(r"(?<=[。！？!?\n])|(?<=\.)\s+", text)
     asked = [p.strip() for p in parts if p.strip().endswith(("？", "?"))]
     return asked[-1] if asked else text.strip()[:160]
@@ -82,13 +84,13 @@ def _first_clause(text: str) -> str:
     return re.split(r"[，,。；;.!！]", text.strip(), maxsplit=1)[0].strip()[:120]
 
 
-def _refs_in(p: CarryPatterns, text: str) -> list[tuple[str, str]]:
+def _refs_in(p: CarryPatterns, text: str, low: str | None = None) -> list[tuple[str, str]]:
     """(type, value) in text order; a span already taken by an earlier pattern (a path)
     is not matched again by a later one (a service name inside that path)."""
     taken: list[tuple[int, int]] = []
     found: list[tuple[int, str, str]] = []
     for rtype, pat in p.refs:
-        if not may_match(pat, text):  # one fast scan for the pattern's fixed part
+        if not may_match(pat, text, low):  # a few substring searches for its fixed strings
             continue
         for mt in pat.finditer(text):
             a, b = mt.span()
@@ -128,15 +130,22 @@ def _extract(p: CarryPatterns, role: str, text: str) -> _Extract:
 def _extract_cached(role: str, text: str) -> _Extract:
     p = _PATTERNS[0]
     user = role == "user"
+    low = fold(text)  # one case-folded copy: each pattern first looks for its fixed strings
+
+    def search(pat: re.Pattern[str]) -> bool:
+        return may_match(pat, text, low) and pat.search(text) is not None
+
     return _Extract(
-        small_talk=user and p.small_talk.match(text) is not None,
+        small_talk=user and may_match(p.small_talk, text, low)
+        and p.small_talk.match(text) is not None,
         deictics=tuple((k, m.group(0)) for k, d in enumerate(p.deictics)
+                       if may_match(d.pattern, text, low)
                        for m in d.pattern.finditer(text)) if user else (),
-        refs=tuple(_refs_in(p, text)),
-        create=user and p.create.search(text) is not None,
-        ask=not user and p.ask.search(text) is not None,
-        close=not user and p.close.search(text) is not None,
-        output=user and p.output_verbs.search(text) is not None,
+        refs=tuple(_refs_in(p, text, low)),
+        create=user and search(p.create),
+        ask=not user and search(p.ask),
+        close=not user and search(p.close),
+        output=user and search(p.output_verbs),
         question="" if user else _sentences_with_question(text),
         first_clause=_first_clause(text) if user else "",
     )

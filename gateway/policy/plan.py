@@ -84,14 +84,21 @@ class _State:
     max_chars: int = _NO_LIMIT
     max_messages: int = _NO_LIMIT
     first_current: int = 0  # the first group of the current turn
+    turn_costs: dict[int, Cost] = field(default_factory=dict)  # cost of a turn's open groups
 
     def tokens(self, g: int) -> int:
         n = self.group_tokens[g]
         if n < 0:
-            tokens_of = self.tokens_of
-            n = sum(tokens_of(i) for i in self.conv.groups[g].indices) if self.count_tokens else 0
+            n = sum(map(self.tokens_of, self.conv.groups[g].indices)) if self.count_tokens else 0
             self.group_tokens[g] = n
         return n
+
+    def turn_cost(self, turn: int, gs: Sequence[int]) -> Cost:
+        """cost(gs) for a turn's undecided groups, computed once per plan."""
+        c = self.turn_costs.get(turn)
+        if c is None:
+            c = self.turn_costs[turn] = self.cost(gs)
+        return c
 
     def cost(self, gs: Sequence[int]) -> Cost:
         groups = self.conv.groups
@@ -110,9 +117,10 @@ class _State:
             and self.messages_used + extra[2] <= self.max_messages
         )
 
-    def keep(self, gs: Sequence[int], stage: str) -> None:
+    def keep(self, gs: Sequence[int], stage: str, cost: Cost | None = None) -> None:
+        """Keep the undecided groups of gs; `cost` is theirs when the caller has it."""
         new = [g for g in gs if self.decision[g] is None]
-        t, c, m = self.cost(new)
+        t, c, m = self.cost(new) if cost is None else cost
         for g in new:
             self.decision[g] = (KEEP, stage)
         self.tokens_used += t
@@ -214,14 +222,14 @@ def fit_length_budget(st: _State) -> None:
     st.fill_fallback = st.rules.low_water < 1.0 and bool(turns) and cut is None
     full = False
     for turn in turns:
-        gs = by_turn[turn]
+        gs = by_turn[turn]  # all undecided: their cost is the turn's
         if cut is not None:
             if turn >= cut:
-                st.keep(gs, "length")
+                st.keep(gs, "length", st.turn_cost(turn, gs))
                 continue
             full = True
-        if not full and st.fits(st.cost(gs)):
-            st.keep(gs, "length")
+        if not full and st.fits(cost := st.turn_cost(turn, gs)):
+            st.keep(gs, "length", cost)
             continue
         full = True  # contiguous recency: nothing older than a turn that did not fit
         for g in gs:
@@ -277,7 +285,7 @@ def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
     for turn in range(newest, oldest - 1, -1):
         gs = by_turn.get(turn)
         if gs is not None:
-            t, c, m = st.cost(gs)
+            t, c, m = st.turn_cost(turn, gs)
             t_sum, c_sum, m_sum = t_sum + t, c_sum + c, m_sum + m
         if turn in is_checkpoint:
             if not st.fits((t_sum, c_sum, m_sum)):
@@ -398,9 +406,10 @@ def plan(
         if d is not None and d[0] == DROP
         for i in groups[g].indices
     )
-    final_tokens, final_chars, _ = st.cost(kept_groups)
-    kept_tokens = fixed_tokens + final_tokens
-    kept_chars = final_chars + fixed_chars
+    # what the stages kept is summed in st; groups no stage decided are kept too
+    open_tokens, open_chars, _ = st.cost([g for g in kept_groups if st.decision[g] is None])
+    kept_tokens = st.tokens_used + open_tokens
+    kept_chars = st.chars_used + open_chars
     over = (
         (lim.max_tokens is not None and kept_tokens > lim.max_tokens)
         or (lim.max_chars is not None and kept_chars > lim.max_chars)
