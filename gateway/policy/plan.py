@@ -101,11 +101,12 @@ class _State:
         return c
 
     def cost(self, gs: Sequence[int]) -> Cost:
-        groups = self.conv.groups
+        groups, known = self.conv.groups, self.group_tokens
         t = c = m = 0
         for g in gs:
             grp = groups[g]
-            t += self.tokens(g)
+            n = known[g]
+            t += n if n >= 0 else self.tokens(g)
             c += grp.chars
             m += len(grp.indices)
         return t, c, m
@@ -119,10 +120,12 @@ class _State:
 
     def keep(self, gs: Sequence[int], stage: str, cost: Cost | None = None) -> None:
         """Keep the undecided groups of gs; `cost` is theirs when the caller has it."""
-        new = [g for g in gs if self.decision[g] is None]
+        decision = self.decision
+        new = [g for g in gs if decision[g] is None]
         t, c, m = self.cost(new) if cost is None else cost
+        mark = (KEEP, stage)
         for g in new:
-            self.decision[g] = (KEEP, stage)
+            decision[g] = mark
         self.tokens_used += t
         self.chars_used += c
         self.messages_used += m
