@@ -18,6 +18,7 @@ from .errors import BadRequest, OverBudget
 from .history import HistoryCache, View
 from .policy import Limits, Plan, PlanRules, plan
 from .rules import Rules
+from .splice import Splice
 from .tokens import TokenCounter, Tokenizers
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
@@ -46,6 +47,7 @@ class Decision:
     _overhead: int | None = None
     view: View | None = None  # what the session's history cache gave this request
     _msg_tokens: list[int] | None = None  # per message, -1 = not counted yet
+    spliced_from: Splice | None = None  # the session's earlier body this one was parsed from
 
     @property
     def messages(self) -> list[Any]:

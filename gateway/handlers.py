@@ -14,13 +14,13 @@ import orjson
 from aiohttp import web
 
 from .app import STATE, GatewayState
-from .chat import Decision, decide
 from .capture import record as capture_record
+from .chat import Decision, decide
 from .errors import ApiFlavor, GatewayError, PayloadTooLarge, render_error
-from .session import session_id, tenant_of
-from .state import SessionRecord, compare_cut, fingerprint, known_prefix
 from .recall import archive_records, recall
 from .rules import Rules
+from .session import session_id, tenant_of
+from .state import SessionRecord, compare_cut, fingerprint, known_prefix
 from .store import StoreError
 from .upstream import Relayed, relay
 from .wire.base import Wire
@@ -208,14 +208,20 @@ def _decide(
     tenant: str,
 ) -> tuple[Decision, str]:
     """Parse and plan one body; (decision, session id)."""
+    history = state.history_cache
+    src = None  # the session's earlier body this one was spliced from
     try:
-        payload = orjson.loads(raw)
+        if history is not None:
+            payload, src = history.loads(raw, wire)
+        else:
+            payload = orjson.loads(raw)
     except orjson.JSONDecodeError:
         payload = None
     items = wire.items(payload) if isinstance(payload, dict) else None
     session = _session(request, rules.session_header, payload, items, tenant)
-    d = decide(raw, payload, rules, state.tokenizers, wire, history=state.history_cache,
+    d = decide(raw, payload, rules, state.tokenizers, wire, history=history,
                key=(tenant, session))
+    d.spliced_from = src
     return d, session
 
 
@@ -302,6 +308,9 @@ async def _log_mem(
     if d is not None:
         state.capture.offer(state.rules.capture, rid, capture_record(
             fields, wire.name, d.raw, d.payload is not None, d.forward))
+        if d.view is not None and d.view.entry is not None and state.history_cache is not None:
+            state.history_cache.remember((tenant, session), d.raw, d.payload, d.messages,
+                                         d.spliced_from)
     state.metrics.observe(wire.name, fields["mode"], d, info, overhead_ms / 1000,
                           fields.get("est_tokens") if d is not None and d.conv else None)
 

@@ -20,9 +20,16 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
+from . import splice
 from .carry import Fold
 from .conversation import Conversation, Group, Unplannable
 from .wire.base import Wire
+
+SPLICE_MIN_BYTES = 16 << 10  # smaller bodies parse in microseconds: not worth the bytes kept
+_HEAD = 512  # sessions are found by the first bytes of their bodies
+_PER_HEAD = 32  # most recent sessions kept per distinct head
 
 
 @dataclass(slots=True)
@@ -36,6 +43,8 @@ class Entry:
     tokens: list[int] = field(default_factory=list)  # per item, -1 = not counted
     token_key: tuple[int, float] = (0, 1.0)  # (id of the counter, token factor)
     fold: Fold | None = None  # carry-over fold after items[:start] (grouped messages)
+    payload: Any = None  # the parsed body `items` came from
+    splice: splice.Splice | None = None  # where the next body's new bytes may start
 
 
 @dataclass(slots=True)
@@ -82,14 +91,60 @@ class HistoryCache:
         self.max_entries = max_entries
         self.bytes = 0
         self._entries: OrderedDict[tuple[str, str], Entry] = OrderedDict()
+        self._by_head: dict[bytes, list[tuple[str, str]]] = {}
         self.hits = 0
         self.misses = 0
+        self.spliced = 0  # bodies parsed from where the session's previous body left off
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def resize(self, max_bytes: int, max_entries: int) -> None:
         self.max_bytes, self.max_entries = max_bytes, max_entries
+        self._evict()
+
+    def loads(self, raw: bytes, wire: Wire) -> tuple[Any, splice.Splice | None]:
+        """orjson.loads(raw), reusing a session's previous parse when raw starts with that
+        body's bytes up to its last item; (payload, the splice used or None).
+        Raises orjson.JSONDecodeError like orjson.loads."""
+        if len(raw) >= SPLICE_MIN_BYTES:
+            keys = self._by_head.get(raw[:_HEAD])
+            for key in keys or ():
+                e = self._entries.get(key)
+                if e is None or e.splice is None or e.wire is not wire:
+                    continue
+                payload = splice.loads(raw, e.splice, e.payload, e.items)
+                if payload is not None:
+                    self.spliced += 1
+                    return payload, e.splice
+        return orjson.loads(raw), None
+
+    def remember(self, key: tuple[str, str], raw: bytes, payload: Any, items: list[Any],
+                 src: splice.Splice | None) -> None:
+        """After a request: note where its last item starts in `raw`, so the session's
+        next body can be spliced there (scanning only the new items when this one was)."""
+        e = self._entries.get(key)
+        if (e is None or e.items is not items or e.splice is not None
+                or len(raw) < SPLICE_MIN_BYTES or not isinstance(payload, dict)):
+            return
+        rec = splice.make(raw, e.wire.items_key, payload, src)
+        if rec is None:
+            return
+        e.payload, e.splice = payload, rec
+        e.size += len(rec.prefix)
+        self.bytes += len(rec.prefix)
+        head = raw[:_HEAD]
+        keys = self._by_head.get(head)
+        if keys is None:
+            if len(self._by_head) > 2 * self.max_entries:  # heads of sessions long gone
+                self._by_head = {h: [k for k in ks if k in self._entries]
+                                 for h, ks in self._by_head.items()}
+                self._by_head = {h: ks for h, ks in self._by_head.items() if ks}
+            keys = self._by_head[head] = []
+        if key in keys:
+            keys.remove(key)
+        keys.insert(0, key)
+        del keys[_PER_HEAD:]
         self._evict()
 
     def parse(

@@ -108,6 +108,10 @@ class _HistoryCollector:
         yield CounterMetricFamily("memgate_history_cache_misses",
                                   "Requests parsed from the start (new, edited or evicted)",
                                   value=c.misses)
+        yield CounterMetricFamily("memgate_history_cache_spliced",
+                                  "Bodies (16 KiB and more) parsed only after the bytes the "
+                                  "session's previous body shares with them",
+                                  value=c.spliced)
         yield GaugeMetricFamily("memgate_history_cache_entries", "Sessions held",
                                 value=len(c))
         yield GaugeMetricFamily("memgate_history_cache_bytes",

@@ -1,0 +1,196 @@
+"""Read a resent history without parsing again what the session already sent.
+
+A client resends the whole body on every request: the same bytes up to some
+message, then what is new. After a request, the byte offset where its last item
+starts is located (a small scanner over valid JSON; only the new items are
+scanned when the request itself was spliced) and kept with the bytes before it.
+The next body that starts with exactly those bytes is parsed as
+
+    {"<items key>":[ + <the rest of the body>
+
+which is valid JSON exactly when the whole body is (the rest starts at an item
+and ends the top-level object), and its items are the previous items before the
+offset plus the ones parsed here. Whatever this cannot vouch for — a duplicate
+or escaped key in the new part, keys repeated around the list, no new item —
+falls back to parsing the whole body: a splice only ever saves work.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+_NEXT = re.compile(rb'["\[\]{}]')  # a string or a bracket: what nesting depends on
+_WS = re.compile(rb"[ \t\n\r]*")
+_SCALAR = re.compile(rb"[^,\]} \t\n\r]+")
+_ASCII_ESCAPE = re.compile(rb"\\u00[2-7]")  # \u00XX spelling a printable ASCII character
+
+
+@dataclass(frozen=True, slots=True)
+class Splice:
+    """Where a body's reusable part ends: `prefix` = body[:off], `count` items before it."""
+
+    prefix: bytes
+    count: int
+    before: tuple[str, ...]  # top-level keys before the items list, in order
+    key: str  # the items key ("messages", "input")
+
+
+def _string_end(b: bytes, i: int) -> int:
+    """b[i] is an opening quote: the index after the closing one."""
+    j = i + 1
+    while True:
+        j = b.index(b'"', j)
+        k = j - 1
+        while b[k] == 0x5C:  # backslashes before the quote: an odd run escapes it
+            k -= 1
+        if (j - 1 - k) % 2 == 0:
+            return j + 1
+        j += 1
+
+
+def _value_end(b: bytes, i: int) -> int:
+    """The index after the JSON value starting at b[i] (the body is valid JSON)."""
+    c = b[i]
+    if c == 0x22:
+        return _string_end(b, i)
+    if c in (0x7B, 0x5B):
+        depth, j = 0, i
+        while True:
+            m = _NEXT.search(b, j)
+            if m is None:
+                raise ValueError("unterminated value")
+            p = m.start()
+            c = b[p]
+            if c == 0x22:
+                j = _string_end(b, p)
+                continue
+            depth += 1 if c in (0x7B, 0x5B) else -1
+            j = p + 1
+            if depth == 0:
+                return j
+    m = _SCALAR.match(b, i)
+    if m is None:
+        raise ValueError("no value")
+    return m.end()
+
+
+def _ws(b: bytes, i: int) -> int:
+    return _WS.match(b, i).end()  # type: ignore[union-attr]
+
+
+def skip_items(b: bytes, off: int, n: int) -> int | None:
+    """From the start of an item of a list, the start of the item `n` further on
+    (None if the list ends first)."""
+    for _ in range(n):
+        off = _ws(b, _value_end(b, off))
+        if b[off] != 0x2C:  # ',' - anything else: the list ended
+            return None
+        off = _ws(b, off + 1)
+    return None if b[off] == 0x5D else off
+
+
+def locate(b: bytes, key: str, n: int) -> tuple[int, tuple[str, ...]] | None:
+    """(offset of item n of the top-level list `key`, the keys before that list), or None
+    when the body does not have that shape (not an object, the key twice before it, a
+    shorter list)."""
+    try:
+        i = _ws(b, 0)
+        if b[i] != 0x7B:
+            return None
+        i = _ws(b, i + 1)
+        before: list[str] = []
+        while b[i] == 0x22:
+            end = _string_end(b, i)
+            name = orjson.loads(b[i:end])
+            i = _ws(b, end)
+            if b[i] != 0x3A:  # ':'
+                return None
+            i = _ws(b, i + 1)
+            if name == key:
+                if b[i] != 0x5B:
+                    return None
+                first = _ws(b, i + 1)
+                if b[first] == 0x5D:
+                    return None
+                off = skip_items(b, first, n)
+                return None if off is None else (off, tuple(before))
+            if name in before:
+                return None
+            before.append(name)
+            i = _ws(b, _value_end(b, i))
+            if b[i] != 0x2C:
+                return None
+            i = _ws(b, i + 1)
+    except (IndexError, ValueError, orjson.JSONDecodeError):
+        return None
+    return None
+
+
+def _at_last_item(b: bytes, key: str, payload: dict[str, Any]) -> Splice | None:
+    """Fast way for a client that writes compact JSON as orjson does: find the last
+    item's bytes from the end, and keep the offset only if the body from there parses
+    as exactly that item and the keys after the list."""
+    items = payload[key]
+    off = b.rfind(orjson.dumps(items[-1]))
+    if off <= 0:
+        return None
+    names = list(payload)
+    at = names.index(key)
+    try:
+        tail = orjson.loads(b'{"' + key.encode() + b'":[' + b[off:])
+    except orjson.JSONDecodeError:
+        return None
+    expect = {key: [items[-1]], **{k: payload[k] for k in names[at + 1:]}}
+    if tail != expect or list(tail) != list(expect):
+        return None
+    return Splice(b[:off], len(items) - 1, tuple(names[:at]), key)
+
+
+def make(b: bytes, key: str, payload: dict[str, Any], src: Splice | None) -> Splice | None:
+    """The splice record for body `b` (parsed: `payload`) at the start of its last item;
+    `src`, the record `b` was spliced with, lets only the new items be scanned."""
+    items = payload.get(key)
+    if type(items) is not list or len(items) < 2:
+        return None
+    n = len(items) - 1
+    try:
+        if src is not None and src.key == key and src.count <= n:
+            off = skip_items(b, len(src.prefix), n - src.count)
+            return None if off is None else Splice(b[:off], n, src.before, key)
+        fast = _at_last_item(b, key, payload)
+        if fast is not None:
+            return fast
+        found = locate(b, key, n)
+    except (IndexError, ValueError):
+        return None
+    return None if found is None else Splice(b[: found[0]], n, found[1], key)
+
+
+def loads(b: bytes, rec: Splice, prev_payload: dict[str, Any], prev_items: list[Any]
+          ) -> dict[str, Any] | None:
+    """`orjson.loads(b)` from the previous body's parse, when `b` starts with the record's
+    prefix and the rest can be vouched for; else None."""
+    off = len(rec.prefix)
+    if len(b) <= off or not b.startswith(rec.prefix):
+        return None
+    rest = b[off:]
+    quoted = b'"' + rec.key.encode() + b'"'
+    if quoted in rest or _ASCII_ESCAPE.search(rest):  # the key again, or a key spelled escaped
+        return None
+    try:
+        tail = orjson.loads(b"{" + quoted + b":[" + rest)
+    except orjson.JSONDecodeError:
+        return None  # the full parse gives the client the real error
+    new = tail.get(rec.key)
+    if type(new) is not list or not new or any(k in tail for k in rec.before):
+        return None
+    out = {k: prev_payload[k] for k in rec.before}
+    out[rec.key] = prev_items[: rec.count] + new
+    for k, v in tail.items():
+        if k != rec.key:
+            out[k] = v
+    return out

@@ -1,0 +1,166 @@
+"""A resent body parsed from where the session's previous body left off gives exactly
+what parsing it whole gives — or nothing (the whole parse then runs): for every JSON
+formatting a client may use, growing and edited histories, duplicate and escaped keys,
+and arbitrary bytes after the reused prefix."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway import splice
+from gateway.chat import decide
+from gateway.wire.anthropic_messages import ANTHROPIC_MESSAGES
+from gateway.wire.openai_chat import OPENAI_CHAT
+
+from .test_history_cache import TOK, make_rules
+
+FORMATS = {
+    "orjson": orjson.dumps,
+    "json": lambda o: json.dumps(o).encode(),  # ", " and ": ", \uXXXX escapes
+    "indent": lambda o: json.dumps(o, indent=2, ensure_ascii=False).encode(),
+    "compact": lambda o: json.dumps(o, ensure_ascii=False, separators=(",", ":")).encode(),
+}
+TEXT = st.lists(st.sampled_from(list('ab "\\/{}[],:é中\n') + ['"messages"', "\\u006d", "\u2028"]),
+                max_size=12).map("".join)
+VALUE = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | TEXT,
+                     lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.sampled_from(["a", "messages", "role"]), inner,
+                                       max_size=3), max_leaves=6)
+ITEM = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": TEXT},
+                             optional={"extra": VALUE})
+
+
+@st.composite
+def body(draw: st.DrawFn) -> dict[str, Any]:
+    keys = draw(st.lists(st.sampled_from(["model", "tools", "stream", "max_tokens", "x"]),
+                         unique=True, max_size=4))
+    at = draw(st.integers(0, len(keys)))
+    out: dict[str, Any] = {}
+    for k in keys[:at]:
+        out[k] = draw(VALUE)
+    out["messages"] = draw(st.lists(ITEM, min_size=2, max_size=6))
+    for k in keys[at:]:
+        out[k] = draw(VALUE)
+    return out
+
+
+def parse_whole(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return "invalid"
+
+
+def check(raw: bytes, rec: splice.Splice, prev: dict[str, Any]) -> bool:
+    """splice.loads gives the whole parse (same keys in the same order) or None."""
+    got = splice.loads(raw, rec, prev, prev["messages"])
+    if got is None:
+        return False
+    whole = parse_whole(raw)
+    assert got == whole
+    assert list(got) == list(whole)
+    return True
+
+
+@given(p=body(), fmt=st.sampled_from(sorted(FORMATS)), more=st.lists(ITEM, max_size=3),
+       edit=st.integers(0, 5), data=st.data())
+@settings(max_examples=300)
+def test_splice_is_the_whole_parse_or_nothing(p: dict[str, Any], fmt: str, more: list[Any],
+                                              edit: int, data: st.DataObject) -> None:
+    dump = FORMATS[fmt]
+    raw = dump(p)
+    prev = orjson.loads(raw)
+    rec = splice.make(raw, "messages", prev, None)
+    assert rec is not None  # every shape drawn here has a last item to splice at
+    assert rec.count == len(p["messages"]) - 1 and raw.startswith(rec.prefix)
+    nxt = {**p, "messages": [*p["messages"], *more]}
+    if edit == 1:  # the last item edited (as the benchmark's counter does)
+        nxt["messages"][-1] = {**nxt["messages"][-1], "content": "changed"}
+    new = dump(nxt)
+    if edit == 2:  # arbitrary bytes after the reused prefix
+        cut = data.draw(st.integers(len(rec.prefix), len(new)))
+        new = new[:cut] + data.draw(st.binary(max_size=12)) + new[cut:]
+    elif edit == 3:  # a key repeated after the list, or the list's key itself
+        dup = data.draw(st.sampled_from([
+            b'"messages":[]', b'"messages":[{"role":"user","content":"x"}]',
+            b'"\\u006dessages":[{"role":"user","content":"y"}]', b'"model":1',
+            b'"\\u006dodel":2']))
+        new = new[: new.rindex(b"}")] + b"," + dup + b"}"
+    elif edit == 4:  # a trailing comma where the last item was
+        new = rec.prefix + b"]}"
+    spliced = check(new, rec, prev)
+    rest = new[len(rec.prefix):]
+    if edit == 0 and more and b'"messages"' not in rest and b"\\u00" not in rest:
+        assert spliced  # a plainly grown body is spliced (unless it looks like a key again)
+        got = splice.loads(new, rec, prev, prev["messages"])
+        assert got is not None and got["messages"][: rec.count] == prev["messages"][: rec.count]
+        # the next record, scanning only the new items, is the one a full scan finds
+        inc = splice.make(new, "messages", got, rec)
+        assert inc == splice.make(new, "messages", orjson.loads(new), None)
+
+
+@given(p=body(), fmt=st.sampled_from(sorted(FORMATS)))
+def test_located_offset_is_the_last_items_start(p: dict[str, Any], fmt: str) -> None:
+    """The scanner (any formatting) finds the same offset as the orjson fast way."""
+    raw = FORMATS[fmt](p)
+    n = len(p["messages"]) - 1
+    found = splice.locate(raw, "messages", n)
+    assert found is not None
+    off, before = found
+    names = list(p)
+    at = names.index("messages")
+    assert orjson.loads(b'{"messages":[' + raw[off:]) == {
+        "messages": [p["messages"][-1]], **{k: p[k] for k in names[at + 1:]}}
+    assert list(before) == names[:at]
+
+
+def test_not_an_object_or_no_list_gives_no_record() -> None:
+    for raw in (b'[{"messages":[1,2]}]', b'{"messages":"hi"}', b'{"messages":[1]}',
+                b'{"a":1,"a":2,"messages":[1,2]}'):
+        payload = orjson.loads(raw)
+        if isinstance(payload, dict) and isinstance(payload.get("messages"), list):
+            rec = splice.make(raw, "messages", payload, None)
+            if rec is not None:  # the duplicate "a": only the fast way takes it; still exact
+                assert check(raw[: len(rec.prefix)] + b'3,4]}', rec, payload)
+        assert splice.locate(raw, "messages", 1) is None
+
+
+async def test_growing_session_over_http_is_spliced_and_forwards_the_same(
+    gateway: Any, upstream: Any
+) -> None:
+    """Big bodies of a growing session (Python's json formatting, an Anthropic one too):
+    from the second request on the body is spliced, and what the upstream receives is
+    byte for byte what deciding the whole body without any cache forwards."""
+    from .test_proxy import post_raw
+
+    gw = await gateway(memory={"enable_eviction": True, "shadow": False,
+                               "budget": {"max_tokens": 3000, "max_chars": None}})
+    rules = make_rules({"enable_eviction": True, "shadow": False,
+                        "budget": {"max_tokens": 3000, "max_chars": None}})
+    for wire, path, extra in ((OPENAI_CHAT, "/v1/chat/completions", {"model": "gpt-4o-mini"}),
+                              (ANTHROPIC_MESSAGES, "/v1/messages",
+                               {"model": "claude-3-5-haiku", "max_tokens": 64,
+                                "system": "be brief"})):
+        msgs: list[dict[str, Any]] = []
+        before = gw.state.history.spliced
+        for t in range(6):
+            msgs += [{"role": "user", "content": f"turn {t}: read /data/f{t}.csv " + "订单 " * 1500},
+                     {"role": "assistant", "content": f"done {t} " + "ok " * 300}]
+            raw = json.dumps({**extra, "messages": [*msgs, {"role": "user", "content": "next?"}]}
+                             ).encode()
+            status, _, _ = await post_raw(gw, raw, path=path,
+                                          headers={"X-Session-Id": f"grow-{wire.name}"})
+            assert status == 200
+            want = decide(raw, orjson.loads(raw), rules, TOK, wire).forward
+            assert upstream.received[-1]["raw"] == want
+            await gw.wait_mem(len(upstream.received))
+        assert gw.state.history.spliced - before == 5  # every request after the first
+    async with aiohttp.ClientSession() as s, s.get(f"{gw.url}/metrics") as r:
+        text = await r.text()
+    assert "memgate_history_cache_spliced_total 10.0" in text
