@@ -63,6 +63,9 @@ class Conversation:
     media_parts: int = 0  # non-text content parts (estimated, not tokenized)
     has_metadata: bool = False
     outside_chars: int = 0  # always-kept text outside the list (Anthropic `system`, ...)
+    # what the planner computed over a prefix of `groups` (checkpoints), shared by the
+    # conversations a session's history cache joins from this one's head
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def total_chars(self) -> int:

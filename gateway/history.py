@@ -82,6 +82,7 @@ def join(head: Conversation, tail: Conversation, at: int) -> Conversation:
         chars=head.chars + tail.chars,
         media_parts=head.media_parts + tail.media_parts,
         has_metadata=head.has_metadata or tail.has_metadata,
+        memo=head.memo,
     )
 
 

@@ -159,3 +159,24 @@ async def test_big_cold_history_counted_off_loop_exactly(
         msgs += [{"role": "user", "content": "and next?"}]
     # the second request: only what was appended parsed (with the cache on)
     assert gw.state.history.hits == (1 if cache_mb else 0)
+
+
+@pytest.mark.parametrize("low_water", [0.3, 0.6])
+def test_growing_session_resumes_checkpoints_exactly(low_water: float) -> None:
+    """A long growing session whose stepped cut moves several times: each request decides
+    with the cache (checkpoints resumed from the session's memo) exactly as without it."""
+    rules = make_rules({"enable_eviction": True, "shadow": False,
+                        "budget": {"max_tokens": 900, "max_chars": None, "max_turns": None},
+                        "eviction": {"low_water": low_water}})
+    cache = HistoryCache(1 << 24, 10)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
+    cuts = set()
+    for t in range(60):
+        msgs += [{"role": "user", "content": f"question {t} " + "word " * (5 + 7 * (t % 5))},
+                 {"role": "assistant", "content": f"answer {t} " + "ok " * (3 + t % 4)}]
+        raw = orjson.dumps({"model": "gpt-4o-mini", "messages": [
+            *msgs, {"role": "user", "content": "next?"}]})
+        cached = decided(raw, rules, OPENAI_CHAT, cache)
+        assert cached == decided(raw, rules, OPENAI_CHAT, None)
+        cuts.add(cached[1].kept[1])  # the first kept message after the system prompt
+    assert len(cuts) >= 4  # the cut moved: checkpoints beyond the first were used

@@ -7,6 +7,7 @@ needs, so a history that clearly fits is never tokenized on the request path.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -55,10 +56,10 @@ class Plan:
     evict: str = "none"  # the stage that dropped most messages, or 'none'
 
 
-def _dominant_stage(dropped: Sequence[tuple[int, str]]) -> str:
-    if not dropped:
+def _dominant_stage(counts: Counter[str]) -> str:
+    """The stage that dropped most messages (ties: the first by name), or 'none'."""
+    if not counts:
         return "none"
-    counts = Counter(stage for _, stage in dropped)
     return max(sorted(counts), key=lambda s: counts[s])
 
 
@@ -203,11 +204,10 @@ def keep_recent_turns(st: _State) -> None:
     step = max(1, math.ceil((1.0 - st.rules.low_water) * limit))
     oldest_allowed = 1 + step * math.ceil((need - 1) / step)
     decision = st.decision
-    for g, grp in enumerate(st.conv.groups):  # groups are in turn order
-        if grp.turn >= oldest_allowed:
-            break
-        if decision[g] is None:
-            decision[g] = (DROP, "recent_turns")
+    # groups are in turn order: the first k are the turns the cap drops
+    k = bisect.bisect_left(st.conv.groups, oldest_allowed, key=lambda grp: grp.turn)
+    mark = (DROP, "recent_turns")
+    decision[:k] = [mark if d is None else d for d in decision[:k]]
 
 
 def fit_length_budget(st: _State) -> None:
@@ -251,33 +251,9 @@ def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
     same cut comes back after a restart or on another replica.
     """
     limits = st.rules.limits
-    conv = st.conv
-    step = 1.0 - st.rules.low_water
-    groups = conv.groups
-    end = st.first_current  # the current turn is not cut
-    mt, mc, mm = limits.max_tokens, limits.max_chars, limits.max_messages
-    per_turn: dict[int, float] = {}
-    get = per_turn.get
-    for grp in groups[:end]:
-        w = 0.0
-        if mt is not None:
-            w = grp.weight / mt
-        if mc is not None and grp.chars / mc > w:
-            w = grp.chars / mc
-        if mm is not None and len(grp.indices) / mm > w:
-            w = len(grp.indices) / mm
-        per_turn[grp.turn] = get(grp.turn, 0.0) + w
-    if not per_turn:
+    checkpoints = _checkpoints(st.conv, st.first_current, limits, 1.0 - st.rules.low_water)
+    if checkpoints is None:
         return None
-    checkpoints: list[int] = [min(per_turn)]  # cutting nothing
-    offset = 0.0
-    mark = 0
-    for turn, w in per_turn.items():  # turns in order: groups are
-        level = int(offset / step)
-        if level > mark:
-            mark = level
-            checkpoints.append(turn)
-        offset += w
     # newest checkpoint first: the tail only grows, so stop at the first that does not
     # fit; only the tail that decides is ever tokenized
     is_checkpoint = set(checkpoints)
@@ -295,6 +271,52 @@ def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
                 break
             best = turn
     return best
+
+
+def _checkpoints(conv: Conversation, end: int, limits: Limits, step: float) -> list[int] | None:
+    """The turns where checkpoints sit, over groups[:end] (None: no group).
+
+    Resumed from the conversation's memo (shared along a session's growing
+    history, see history.join) at the last turn boundary it recorded, when the
+    groups before it are still the same: the same additions in the same order,
+    so the same floats as computing from the start."""
+    groups = conv.groups
+    if not end:
+        return None
+    mt, mc, mm = limits.max_tokens, limits.max_chars, limits.max_messages
+    key = ("checkpoints", mt, mc, mm, step)
+    memo = conv.memo.get(key)
+    start, offset, mark, checkpoints = 0, 0.0, 0, []
+    if memo is not None:
+        n, prefix, m_offset, m_mark, m_checkpoints = memo
+        if n <= end and groups[:n] == prefix:
+            start, offset, mark, checkpoints = n, m_offset, m_mark, list(m_checkpoints)
+    per_turn: dict[int, float] = {}
+    get = per_turn.get
+    for grp in groups[start:end]:
+        w = 0.0
+        if mt is not None:
+            w = grp.weight / mt
+        if mc is not None and grp.chars / mc > w:
+            w = grp.chars / mc
+        if mm is not None and len(grp.indices) / mm > w:
+            w = len(grp.indices) / mm
+        per_turn[grp.turn] = get(grp.turn, 0.0) + w
+    if not checkpoints:
+        checkpoints.append(groups[0].turn)  # cutting nothing
+    last_turn = groups[end - 1].turn
+    for turn, w in per_turn.items():  # turns in order: groups are
+        if turn == last_turn:  # remember the state before the newest turn
+            n = end
+            while n > start and groups[n - 1].turn == turn:
+                n -= 1
+            conv.memo[key] = (n, groups[:n], offset, mark, tuple(checkpoints))
+        level = int(offset / step)
+        if level > mark:
+            mark = level
+            checkpoints.append(turn)
+        offset += w
+    return checkpoints
 
 
 def _fit_groups(st: _State) -> None:
@@ -403,12 +425,13 @@ def plan(
         for i in groups[g].indices:
             why[i] = d[1] if d is not None else "unbudgeted"
     kept = sorted(why)
-    dropped = sorted(
-        (i, d[1])
-        for g, d in enumerate(st.decision)
-        if d is not None and d[0] == DROP
-        for i in groups[g].indices
-    )
+    dropped_groups = [(g, d[1]) for g, d in enumerate(st.decision)
+                      if d is not None and d[0] == DROP]
+    dropped = [(i, stage) for g, stage in dropped_groups for i in groups[g].indices]
+    dropped.sort()
+    drops: Counter[str] = Counter()
+    for g, stage in dropped_groups:
+        drops[stage] += len(groups[g].indices)
     # what the stages kept is summed in st; groups no stage decided are kept too
     open_tokens, open_chars, _ = st.cost([g for g in kept_groups if st.decision[g] is None])
     kept_tokens = st.tokens_used + open_tokens
@@ -428,7 +451,7 @@ def plan(
         kept_tokens=kept_tokens if st.count_tokens else None,
         kept_chars=kept_chars,
         fill_fallback=st.fill_fallback and bool(dropped),
-        evict=_dominant_stage(dropped),
+        evict=_dominant_stage(drops),
     )
 
 
