@@ -43,8 +43,19 @@ class Entry:
     tokens: list[int] = field(default_factory=list)  # per item, -1 = not counted
     token_key: tuple[int, float] = (0, 1.0)  # (id of the counter, token factor)
     fold: Fold | None = None  # carry-over fold after items[:start] (grouped messages)
-    payload: Any = None  # the parsed body `items` came from
-    splice: splice.Splice | None = None  # where the next body's new bytes may start
+    # where the next body's new bytes may start: this request's record once made
+    # (after the response), until then the one the previous entry had
+    reuse: Reuse | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """A splice record with the parse of the body it was made from."""
+
+    rec: splice.Splice
+    payload: dict[str, Any]
+    items: list[Any]  # = payload[rec.key]
+    own: Any  # the items list of the entry that made it (identity)
 
 
 @dataclass(slots=True)
@@ -112,12 +123,13 @@ class HistoryCache:
             keys = self._by_head.get(raw[:_HEAD])
             for key in keys or ():
                 e = self._entries.get(key)
-                if e is None or e.splice is None or e.wire is not wire:
+                r = e.reuse if e is not None and e.wire is wire else None
+                if r is None:
                     continue
-                payload = splice.loads(raw, e.splice, e.payload, e.items)
+                payload = splice.loads(raw, r.rec, r.payload, r.items)
                 if payload is not None:
                     self.spliced += 1
-                    return payload, e.splice
+                    return payload, r.rec
         return orjson.loads(raw), None
 
     def remember(self, key: tuple[str, str], raw: bytes, payload: Any, items: list[Any],
@@ -125,15 +137,16 @@ class HistoryCache:
         """After a request: note where its last item starts in `raw`, so the session's
         next body can be spliced there (scanning only the new items when this one was)."""
         e = self._entries.get(key)
-        if (e is None or e.items is not items or e.splice is not None
+        if (e is None or e.items is not items or (e.reuse is not None and e.reuse.own is items)
                 or len(raw) < SPLICE_MIN_BYTES or not isinstance(payload, dict)):
             return
         rec = splice.make(raw, e.wire.items_key, payload, src)
         if rec is None:
             return
-        e.payload, e.splice = payload, rec
-        e.size += len(rec.prefix)
-        self.bytes += len(rec.prefix)
+        grown = len(rec.prefix) - (len(e.reuse.rec.prefix) if e.reuse is not None else 0)
+        e.reuse = Reuse(rec, payload, items, items)
+        e.size += grown
+        self.bytes += grown
         head = raw[:_HEAD]
         keys = self._by_head.get(head)
         if keys is None:
@@ -177,6 +190,12 @@ class HistoryCache:
         # what the entry keeps alive: the parsed items and the head's per-message
         # bookkeeping (measured: about 3x the request's bytes in all, soak.py)
         entry = Entry(rules, wire, items, head, start, 3 * size + 384 * len(items))
+        old = self._entries.get(key)
+        if old is not None and old.reuse is not None and old.wire is wire:
+            # a record stays valid for the bodies it matches: keep it until this
+            # request's own is made (concurrent requests of a session need one)
+            entry.reuse = old.reuse
+            entry.size += len(old.reuse.rec.prefix)
         self._put(key, entry)
         return View(conv, known, prev, entry)
 

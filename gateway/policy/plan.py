@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -56,7 +55,7 @@ class Plan:
     evict: str = "none"  # the stage that dropped most messages, or 'none'
 
 
-def _dominant_stage(counts: Counter[str]) -> str:
+def _dominant_stage(counts: dict[str, int]) -> str:
     """The stage that dropped most messages (ties: the first by name), or 'none'."""
     if not counts:
         return "none"
@@ -161,9 +160,9 @@ def keep_pinned(st: _State) -> None:
     cur = st.current_turn
     ranked: list[tuple[tuple[int, float, int], int]] = []
     n_active: dict[int, int] = {}
-    for g, grp in enumerate(st.conv.groups):
-        if not grp.pins or st.decision[g] is not None:
-            continue
+    groups, decision = st.conv.groups, st.decision
+    for g in [g for g, grp in enumerate(groups) if grp.pins and decision[g] is None]:
+        grp = groups[g]
         active = [
             p for _, p in grp.pins if is_active(p, grp.turn, cur, st.rules.min_score)
         ]
@@ -429,9 +428,9 @@ def plan(
                       if d is not None and d[0] == DROP]
     dropped = [(i, stage) for g, stage in dropped_groups for i in groups[g].indices]
     dropped.sort()
-    drops: Counter[str] = Counter()
+    drops: dict[str, int] = {}
     for g, stage in dropped_groups:
-        drops[stage] += len(groups[g].indices)
+        drops[stage] = drops.get(stage, 0) + len(groups[g].indices)
     # what the stages kept is summed in st; groups no stage decided are kept too
     open_tokens, open_chars, _ = st.cost([g for g in kept_groups if st.decision[g] is None])
     kept_tokens = st.tokens_used + open_tokens
@@ -472,5 +471,6 @@ def _count_pins(conv: Conversation, groups: Sequence[int] | range, rules: PlanRu
     n = 0
     for g in groups:
         grp: Group = conv.groups[g]
-        n += sum(1 for _, p in grp.pins if is_active(p, grp.turn, cur, rules.min_score))
+        if grp.pins:
+            n += sum(1 for _, p in grp.pins if is_active(p, grp.turn, cur, rules.min_score))
     return n
