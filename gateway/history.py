@@ -137,16 +137,19 @@ class HistoryCache:
         """After a request: note where its last item starts in `raw`, so the session's
         next body can be spliced there (scanning only the new items when this one was)."""
         e = self._entries.get(key)
-        if (e is None or e.items is not items or (e.reuse is not None and e.reuse.own is items)
-                or len(raw) < SPLICE_MIN_BYTES or not isinstance(payload, dict)):
-            return
-        rec = splice.make(raw, e.wire.items_key, payload, src)
-        if rec is None:
-            return
-        grown = len(rec.prefix) - (len(e.reuse.rec.prefix) if e.reuse is not None else 0)
-        e.reuse = Reuse(rec, payload, items, items)
+        if e is None or e.items is not items or (e.reuse is not None and e.reuse.own is items):
+            return  # a newer request of the session owns the entry, or this one is done
+        rec = None
+        if len(raw) >= SPLICE_MIN_BYTES and isinstance(payload, dict):
+            rec = splice.make(raw, e.wire.items_key, payload, src)
+        old = len(e.reuse.rec.prefix) if e.reuse is not None else 0
+        # no record of its own: drop the inherited one too (it holds an older parse)
+        e.reuse = Reuse(rec, payload, items, items) if rec is not None else None
+        grown = (len(rec.prefix) if rec is not None else 0) - old
         e.size += grown
         self.bytes += grown
+        if rec is None:
+            return
         head = raw[:_HEAD]
         keys = self._by_head.get(head)
         if keys is None:

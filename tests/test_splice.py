@@ -164,3 +164,24 @@ async def test_growing_session_over_http_is_spliced_and_forwards_the_same(
     async with aiohttp.ClientSession() as s, s.get(f"{gw.url}/metrics") as r:
         text = await r.text()
     assert "memgate_history_cache_spliced_total 10.0" in text
+    cache = gw.state.history
+    entries = list(cache._entries.values())
+    assert cache.bytes == sum(e.size for e in entries)  # the records' bytes are counted
+    assert all(e.reuse is not None and e.reuse.own is e.items for e in entries)
+
+
+def test_small_body_drops_the_inherited_record() -> None:
+    """A session whose body shrinks below the threshold keeps no older parse alive."""
+    from gateway.history import HistoryCache
+
+    rules = make_rules({"enable_eviction": True})
+    cache = HistoryCache(1 << 26, 10)
+    for msgs in ([{"role": "user", "content": "x" * 20_000}, {"role": "user", "content": "a"}],
+                 [{"role": "user", "content": "short"}]):
+        raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+        payload, src = cache.loads(raw, OPENAI_CHAT)
+        d = decide(raw, payload, rules, TOK, OPENAI_CHAT, history=cache, key=("t", "s"))
+        cache.remember(("t", "s"), raw, d.payload, d.messages, src)
+        (entry,) = cache._entries.values()
+        assert (entry.reuse is not None) == (len(raw) >= 16 << 10)
+        assert cache.bytes == entry.size

@@ -309,6 +309,8 @@ def _checkpoints(conv: Conversation, end: int, limits: Limits, step: float) -> l
             n = end
             while n > start and groups[n - 1].turn == turn:
                 n -= 1
+            if len(conv.memo) > 4:  # budgets of replaced rules or other models
+                conv.memo.clear()
             conv.memo[key] = (n, groups[:n], offset, mark, tuple(checkpoints))
         level = int(offset / step)
         if level > mark:
