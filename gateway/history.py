@@ -103,7 +103,9 @@ class HistoryCache:
         self.max_entries = max_entries
         self.bytes = 0
         self._entries: OrderedDict[tuple[str, str], Entry] = OrderedDict()
-        self._by_head: dict[bytes, list[tuple[str, str]]] = {}
+        # hash of a body's first bytes -> sessions whose record may match (collisions only
+        # add candidates: a record is used only when the body starts with its bytes)
+        self._by_head: dict[int, list[tuple[str, str]]] = {}
         self.hits = 0
         self.misses = 0
         self.spliced = 0  # bodies parsed from where the session's previous body left off
@@ -120,7 +122,7 @@ class HistoryCache:
         body's bytes up to its last item; (payload, the splice used or None).
         Raises orjson.JSONDecodeError like orjson.loads."""
         if len(raw) >= SPLICE_MIN_BYTES:
-            keys = self._by_head.get(raw[:_HEAD])
+            keys = self._by_head.get(hash(raw[:_HEAD]))
             for key in keys or ():
                 e = self._entries.get(key)
                 r = e.reuse if e is not None and e.wire is wire else None
@@ -150,7 +152,7 @@ class HistoryCache:
         self.bytes += grown
         if rec is None:
             return
-        head = raw[:_HEAD]
+        head = hash(raw[:_HEAD])
         keys = self._by_head.get(head)
         if keys is None:
             if len(self._by_head) > 2 * self.max_entries:  # heads of sessions long gone
