@@ -2,8 +2,10 @@
 
 A client resends the whole body on every request: the same bytes up to some
 message, then what is new. After a request, the byte offset where its last item
-starts is located (a small scanner over valid JSON; only the new items are
-scanned when the request itself was spliced) and kept with the bytes before it.
+starts is located and kept with the bytes before it: for compact JSON as orjson
+writes it, the last item's own bytes found from the end and verified by parsing
+from there; otherwise a small scanner over the (valid) body; and when the request
+itself was spliced, only its new items are scanned.
 The next body that starts with exactly those bytes is parsed as
 
     {"<items key>":[ + <the rest of the body>
