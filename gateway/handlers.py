@@ -251,8 +251,10 @@ async def _with_recall(
     recalled = await recall(store, rules.store, tenant, session, d)
     if not recalled:
         return d
-    return decide(d.raw, d.payload, rules, state.tokenizers, wire, recalled=recalled,
-                  history=state.history_cache, key=(tenant, session))
+    again = decide(d.raw, d.payload, rules, state.tokenizers, wire, recalled=recalled,
+                   history=state.history_cache, key=(tenant, session))
+    again.spliced_from = d.spliced_from
+    return again
 
 
 async def _log_mem(
