@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """memgate vs a bare aiohttp passthrough, same fast local upstream, one run (loopback only).
 
-    python tests/perf/bench_gateway.py [--seconds 3] [--wrk]
+    python tests/perf/bench_gateway.py [--seconds 3]
 
 Starts a fixed-answer upstream, a bare aiohttp passthrough and memgate (eviction
 off, then on with a budget that evicts medium and larger payloads) as separate
-processes, and reports per payload size the p50 latency at concurrency 1 and
-the throughput at concurrency 16 as ratios against the passthrough measured in
-the same run; then a growing session (gateway CPU per request at turn 10 vs
+processes, and reports per payload size the p50 latency at concurrency 1, the
+throughput at concurrency 16 and the target's CPU time per request under that
+load (the steadiest of the three on a shared machine) as ratios against the
+passthrough measured in the same run; then a growing session (gateway CPU per request at turn 10 vs
 turn 1,000, warm) and a cold 1 MB history (time to first byte, nothing cached).
 Bounded in time; everything stops by itself.
 """
@@ -194,18 +195,23 @@ def main() -> None:
             procs.append(targets[name])
         payloads = {k: body(history(n)) for k, n in SIZES.items()}
         print(f"{'payload':<8} {'bytes':>9} | " + " | ".join(
-            f"{t:>11} p50 ms  rps" for t in targets) + " | on/pt p50  on/pt rps  off/pt p50")
+            f"{t:>11} p50 ms  rps" for t in targets)
+            + " | on/pt p50  on/pt rps  on/pt cpu  off/pt p50")
         for name, payload in payloads.items():
             row = {}
             for t, proc in targets.items():
                 url = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
                 asyncio.run(latency(url, payload, 0.5))  # warm-up
-                row[t] = (asyncio.run(latency(url, payload, args.seconds)),
-                          asyncio.run(throughput(url, payload, args.seconds)))
-            pt_l, pt_r = row["passthrough"]
+                lat = asyncio.run(latency(url, payload, args.seconds))
+                c0 = proc.cpu_s()
+                rps = asyncio.run(throughput(url, payload, args.seconds))
+                # the target's CPU per request under load: steadier than latency on a busy box
+                row[t] = (lat, rps, (proc.cpu_s() - c0) / max(1.0, rps * args.seconds))
+            pt_l, pt_r, pt_c = row["passthrough"]
+            on_l, on_r, on_c = row["memgate-on"]
             print(f"{name:<8} {len(payload):>9} | " + " | ".join(
-                f"{lat:>11.3f} {rps:>8.0f}" for lat, rps in row.values())
-                + f" | {row['memgate-on'][0] / pt_l:>9.2f} {row['memgate-on'][1] / pt_r:>10.2f}"
+                f"{lat:>11.3f} {rps:>8.0f}" for lat, rps, _ in row.values())
+                + f" | {on_l / pt_l:>9.2f} {on_r / pt_r:>10.2f} {on_c / pt_c:>10.2f}"
                   f" {row['memgate-off'][0] / pt_l:>11.2f}")
         print("\ngrowing session, warm: CPU per request, each request = the previous history"
               " + one turn (5 warm-up requests, then 100 measured)")
