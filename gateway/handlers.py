@@ -310,11 +310,12 @@ async def _log_mem(
     if d is not None:
         state.capture.offer(state.rules.capture, rid, capture_record(
             fields, wire.name, d.raw, d.payload is not None, d.forward))
-        if d.view is not None and d.view.entry is not None and state.history_cache is not None:
-            state.history_cache.remember((tenant, session), d.raw, d.payload, d.messages,
-                                         d.spliced_from)
     state.metrics.observe(wire.name, fields["mode"], d, info, overhead_ms / 1000,
                           fields.get("est_tokens") if d is not None and d.conv else None)
+    if (d is not None and d.view is not None and d.view.entry is not None
+            and state.history_cache is not None):  # last: only ever saves the next parse
+        state.history_cache.remember((tenant, session), d.raw, d.payload, d.messages,
+                                     d.spliced_from)
 
 
 async def _measure_session(
