@@ -76,7 +76,7 @@ class _State:
     tokens_used: int = 0
     chars_used: int = 0
     messages_used: int = 0
-    turn_anchor: dict[int, int] = field(default_factory=dict)  # turn -> its user group
+    anchors: dict[int, int | None] = field(default_factory=dict)  # turn -> its user group
     group_tokens: list[int] = field(default_factory=list)  # -1 = not counted yet
     pinned_overflow: int = 0
     fill_fallback: bool = False
@@ -134,10 +134,30 @@ class _State:
         if self.decision[g] is None:
             self.decision[g] = (DROP, stage)
 
+    def anchor(self, g: int) -> int | None:
+        """The first user group of g's turn (None: the turn has none), found in the
+        turn's own groups (they are contiguous) when first asked for."""
+        groups = self.conv.groups
+        turn = groups[g].turn
+        if turn in self.anchors:
+            return self.anchors[turn]
+        s = g
+        while s > 0 and groups[s - 1].turn == turn:
+            s -= 1
+        a = None
+        for h in range(s, len(groups)):
+            if groups[h].turn != turn:
+                break
+            if groups[h].is_user:
+                a = h
+                break
+        self.anchors[turn] = a
+        return a
+
     def with_anchor(self, g: int) -> list[int] | None:
         """A group and the user message that opens its turn (kept history must
         start each turn with its user message); None if that message is dropped."""
-        a = self.turn_anchor.get(self.conv.groups[g].turn)
+        a = self.anchor(g)
         if a is None or a == g:
             return [g]
         d = self.decision[a]
@@ -216,9 +236,14 @@ def fit_length_budget(st: _State) -> None:
         _fit_groups(st)
         return
     by_turn: dict[int, list[int]] = {}
-    for g, grp in enumerate(groups):
-        if st.decision[g] is None:
-            by_turn.setdefault(grp.turn, []).append(g)
+    decision = st.decision
+    try:  # what earlier stages decided is often a long prefix (the recent-turns cap)
+        first = decision.index(None)
+    except ValueError:
+        first = len(decision)
+    for g in range(first, len(groups)):
+        if decision[g] is None:
+            by_turn.setdefault(groups[g].turn, []).append(g)
     turns = sorted(by_turn, reverse=True)
     cut = _stepped_cut(st, by_turn) if st.rules.low_water < 1.0 and turns else None
     st.fill_fallback = st.rules.low_water < 1.0 and bool(turns) and cut is None
@@ -400,9 +425,6 @@ def plan(
         max_chars=_NO_LIMIT if lim.max_chars is None else lim.max_chars,
         max_messages=_NO_LIMIT if lim.max_messages is None else lim.max_messages,
     )
-    for g, grp in enumerate(groups):
-        if grp.is_user and grp.turn not in st.turn_anchor:
-            st.turn_anchor[grp.turn] = g
     # system/developer and the current turn are not subject to eviction
     st.messages_used = len(conv.fixed)
     fixed_chars = conv.outside_chars + sum(conv.chars[i] for i in conv.fixed)
