@@ -217,3 +217,17 @@ def test_fold_is_how_ignorecase_compares_characters() -> None:
         pat = re.compile(re.escape(a), re.IGNORECASE)
         for b in chars:
             assert (pat.fullmatch(b) is not None) == (fold(a) == fold(b)), (a, b)
+
+
+def test_str_lower_is_the_simple_lowercase_sre_uses() -> None:
+    """fold() relies on str.lower() giving, character by character, the simple lowercase
+    that re.IGNORECASE compares (one code point differs, and fold() maps it): checked
+    for every code point, so a Unicode update in a new Python cannot break it silently."""
+    import _sre  # type: ignore[import-not-found]
+
+    from gateway.carry.rules import fold
+
+    odd = [c for c in range(0x110000) if not 0xD800 <= c < 0xE000
+           and chr(c).lower() != chr(_sre.unicode_tolower(c))]
+    assert odd == [0x130]
+    assert fold("\u0130") == fold("i") == fold("I")
