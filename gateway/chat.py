@@ -146,8 +146,11 @@ def budget_tokens(rules: Rules, payload: dict[str, Any], model: str | None) -> i
 
 
 def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
+    hit: PlanRules | None = rules.memo.get(("plan_rules", max_tokens))
+    if hit is not None:
+        return hit
     m = rules.memory
-    return PlanRules(
+    hit = PlanRules(
         limits=Limits(
             max_tokens=max_tokens,
             max_chars=m.budget.max_chars,
@@ -161,6 +164,8 @@ def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
         min_score=m.markers.min_score,
         low_water=m.eviction.low_water,
     )
+    rules.remember(("plan_rules", max_tokens), hit)
+    return hit
 
 
 def decide(

@@ -142,6 +142,14 @@ class Rules:
     source: str = "<defaults>"
     models_path: str | None = None
     carry_path: str | None = None
+    # answers worked out once per Rules object (routes, model info, plan limits): a
+    # reload builds a new Rules, so nothing here outlives the config it came from
+    memo: dict[Any, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def remember(self, key: Any, value: Any) -> None:
+        if len(self.memo) > 4096:  # request paths and model names come from clients
+            self.memo.clear()
+        self.memo[key] = value
 
     @property
     def routes_by_model(self) -> bool:
@@ -150,10 +158,12 @@ class Rules:
 
     def upstream_for(self, path: str, model: str | None = None) -> Upstream:
         """First upstream serving this path (and model); else the default one."""
-        for up in self.upstreams:
-            if up.serves(path, model):
-                return up
-        return self.default_upstream
+        key = ("upstream", path, model)
+        up: Upstream | None = self.memo.get(key)
+        if up is None:
+            up = next((u for u in self.upstreams if u.serves(path, model)), self.default_upstream)
+            self.remember(key, up)
+        return up
 
     @property
     def default_upstream(self) -> Upstream:
@@ -161,11 +171,12 @@ class Rules:
         return next((u for u in self.upstreams if u.name == "openai"), self.upstreams[0])
 
     def model_info(self, model: str | None) -> ModelInfo:
-        if model:
-            for info in self.models:
-                if fnmatch.fnmatchcase(model, info.match):
-                    return info
-        return ModelInfo("*", self.default_encoding, self.default_context_window)
+        found: ModelInfo | None = self.memo.get(("model", model))
+        if found is None:
+            found = next((i for i in self.models if model and fnmatch.fnmatchcase(model, i.match)),
+                         ModelInfo("*", self.default_encoding, self.default_context_window))
+            self.remember(("model", model), found)
+        return found
 
 
 # --------------------------------------------------------------------------- parsing
@@ -677,6 +688,7 @@ def describe(rules: Rules) -> dict[str, Any]:
 
     patterns = rules.memory.carry_patterns
     out = asdict(replace(rules, memory=replace(rules.memory, carry_patterns=None)))
+    out.pop("memo", None)  # a cache, not configuration
     out["memory"]["mode"] = rules.memory.mode
     out["memory"]["carry_patterns"] = (
         f"{len(patterns.refs)} ref patterns, {len(patterns.deictics)} deictics"
