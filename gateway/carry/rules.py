@@ -155,9 +155,8 @@ def _flags_change(seq: Any) -> bool:
         elif op in (_constants.MAX_REPEAT, _constants.MIN_REPEAT, _constants.POSSESSIVE_REPEAT):
             if _flags_change(av[2]):
                 return True
-        elif op in (_constants.ASSERT, _constants.ASSERT_NOT) and _flags_change(av[1]):
-            return True
-        elif op is _constants.ATOMIC_GROUP and _flags_change(av):
+        elif ((op in (_constants.ASSERT, _constants.ASSERT_NOT) and _flags_change(av[1]))
+              or (op is _constants.ATOMIC_GROUP and _flags_change(av))):
             return True
     return False
 
