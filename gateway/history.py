@@ -54,8 +54,6 @@ class Reuse:
 
     rec: splice.Splice
     payload: dict[str, Any]
-    items: list[Any]  # = payload[rec.key]
-    own: Any  # the items list of the entry that made it (identity)
 
 
 @dataclass(slots=True)
@@ -128,7 +126,7 @@ class HistoryCache:
                 r = e.reuse if e is not None and e.wire is wire else None
                 if r is None:
                     continue
-                payload = splice.loads(raw, r.rec, r.payload, r.items)
+                payload = splice.loads(raw, r.rec, r.payload)
                 if payload is not None:
                     self.spliced += 1
                     return payload, r.rec
@@ -139,14 +137,15 @@ class HistoryCache:
         """After a request: note where its last item starts in `raw`, so the session's
         next body can be spliced there (scanning only the new items when this one was)."""
         e = self._entries.get(key)
-        if e is None or e.items is not items or (e.reuse is not None and e.reuse.own is items):
+        if (e is None or e.items is not items
+                or (e.reuse is not None and e.reuse.payload is payload)):
             return  # a newer request of the session owns the entry, or this one is done
         rec = None
         if len(raw) >= SPLICE_MIN_BYTES and isinstance(payload, dict):
             rec = splice.make(raw, e.wire.items_key, payload, src)
         old = len(e.reuse.rec.prefix) if e.reuse is not None else 0
         # no record of its own: drop the inherited one too (it holds an older parse)
-        e.reuse = Reuse(rec, payload, items, items) if rec is not None else None
+        e.reuse = Reuse(rec, payload) if rec is not None else None
         grown = (len(rec.prefix) if rec is not None else 0) - old
         e.size += grown
         self.bytes += grown
@@ -172,9 +171,8 @@ class HistoryCache:
     ) -> View:
         """Parse `items`, reusing the session's previous request where it still holds."""
         start = last_turn_start(wire, items)
-        prev = self._entries.get(key)
-        if prev is not None and (prev.rules is not rules or prev.wire is not wire):
-            prev = None
+        old = self._entries.get(key)
+        prev = old if old is not None and old.rules is rules and old.wire is wire else None
         known = _known(prev, items, start)
         try:
             if prev is not None and known and start is not None:
@@ -195,7 +193,6 @@ class HistoryCache:
         # what the entry keeps alive: the parsed items and the head's per-message
         # bookkeeping (measured: about 3x the request's bytes in all, soak.py)
         entry = Entry(rules, wire, items, head, start, 3 * size + 384 * len(items))
-        old = self._entries.get(key)
         if old is not None and old.reuse is not None and old.wire is wire:
             # a record stays valid for the bodies it matches: keep it until this
             # request's own is made (concurrent requests of a session need one)

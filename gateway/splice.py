@@ -132,6 +132,16 @@ def locate(b: bytes, key: str, n: int) -> tuple[int, tuple[str, ...]] | None:
     return None
 
 
+def _parse_from(key: str, rest: bytes) -> dict[str, Any] | None:
+    """`rest` (a body from the start of an item of its list `key` on) parsed as
+    `{"<key>":[` + rest, or None when that is not valid JSON."""
+    try:
+        out: dict[str, Any] = orjson.loads(b'{"' + key.encode() + b'":[' + rest)
+    except orjson.JSONDecodeError:
+        return None
+    return out
+
+
 def _at_last_item(b: bytes, key: str, payload: dict[str, Any]) -> Splice | None:
     """Fast way for a client that writes compact JSON as orjson does: find the last
     item's bytes from the end, and keep the offset only if the body from there parses
@@ -142,12 +152,9 @@ def _at_last_item(b: bytes, key: str, payload: dict[str, Any]) -> Splice | None:
         return None
     names = list(payload)
     at = names.index(key)
-    try:
-        tail = orjson.loads(b'{"' + key.encode() + b'":[' + b[off:])
-    except orjson.JSONDecodeError:
-        return None
+    tail = _parse_from(key, b[off:])
     expect = {key: [items[-1]], **{k: payload[k] for k in names[at + 1:]}}
-    if tail != expect or list(tail) != list(expect):
+    if tail is None or tail != expect or list(tail) != list(expect):
         return None
     return Splice(b[:off], len(items) - 1, tuple(names[:at]), key)
 
@@ -172,10 +179,10 @@ def make(b: bytes, key: str, payload: dict[str, Any], src: Splice | None) -> Spl
     return None if found is None else Splice(b[: found[0]], n, found[1], key)
 
 
-def loads(b: bytes, rec: Splice, prev_payload: dict[str, Any], prev_items: list[Any]
-          ) -> dict[str, Any] | None:
-    """`orjson.loads(b)` from the previous body's parse, when `b` starts with the record's
-    prefix and the rest can be vouched for; else None."""
+def loads(b: bytes, rec: Splice, prev_payload: dict[str, Any]) -> dict[str, Any] | None:
+    """`orjson.loads(b)` from the previous body's parse (`prev_payload`, the body the
+    record was made from), when `b` starts with the record's prefix and the rest can be
+    vouched for; else None."""
     off = len(rec.prefix)
     if len(b) <= off or not b.startswith(rec.prefix):
         return None
@@ -183,15 +190,14 @@ def loads(b: bytes, rec: Splice, prev_payload: dict[str, Any], prev_items: list[
     quoted = b'"' + rec.key.encode() + b'"'
     if quoted in rest or _ASCII_ESCAPE.search(rest):  # the key again, or a key spelled escaped
         return None
-    try:
-        tail = orjson.loads(b"{" + quoted + b":[" + rest)
-    except orjson.JSONDecodeError:
-        return None  # the full parse gives the client the real error
+    tail = _parse_from(rec.key, rest)  # None: the full parse gives the client the real error
+    if tail is None:
+        return None
     new = tail.get(rec.key)
     if type(new) is not list or not new or any(k in tail for k in rec.before):
         return None
     out = {k: prev_payload[k] for k in rec.before}
-    out[rec.key] = prev_items[: rec.count] + new
+    out[rec.key] = prev_payload[rec.key][: rec.count] + new
     for k, v in tail.items():
         if k != rec.key:
             out[k] = v

@@ -59,7 +59,7 @@ def parse_whole(raw: bytes) -> Any:
 
 def check(raw: bytes, rec: splice.Splice, prev: dict[str, Any]) -> bool:
     """splice.loads gives the whole parse (same keys in the same order) or None."""
-    got = splice.loads(raw, rec, prev, prev["messages"])
+    got = splice.loads(raw, rec, prev)
     if got is None:
         return False
     whole = parse_whole(raw)
@@ -98,7 +98,7 @@ def test_splice_is_the_whole_parse_or_nothing(p: dict[str, Any], fmt: str, more:
     rest = new[len(rec.prefix):]
     if edit == 0 and more and b'"messages"' not in rest and b"\\u00" not in rest:
         assert spliced  # a plainly grown body is spliced (unless it looks like a key again)
-        got = splice.loads(new, rec, prev, prev["messages"])
+        got = splice.loads(new, rec, prev)
         assert got is not None and got["messages"][: rec.count] == prev["messages"][: rec.count]
         # the next record, scanning only the new items, is the one a full scan finds
         inc = splice.make(new, "messages", got, rec)
@@ -167,7 +167,7 @@ async def test_growing_session_over_http_is_spliced_and_forwards_the_same(
     cache = gw.state.history
     entries = list(cache._entries.values())
     assert cache.bytes == sum(e.size for e in entries)  # the records' bytes are counted
-    assert all(e.reuse is not None and e.reuse.own is e.items for e in entries)
+    assert all(e.reuse is not None and e.reuse.payload["messages"] is e.items for e in entries)
 
 
 def test_small_body_drops_the_inherited_record() -> None:
