@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.carry import Message, build_snapshot
+from gateway.carry.rules import Prefilter
 from gateway.mock_upstream import RECORD, create_mock_app
 from gateway.rules import load_rules
 
@@ -167,23 +168,22 @@ _SYNTHETIC = [r"ab+c\.d", r"(?:foo|bar)-baz", r"x(?:yz|w)?q", r"(?<!\w)k[a-z]*�
 
 
 def _all_patterns() -> list[re.Pattern[str]]:
-    p = RULES.memory.carry_patterns
-    return ([pat for _, pat in p.refs] + [d.pattern for d in p.deictics]
-            + [p.create, p.ask, p.close, p.small_talk, p.output_verbs]
+    return (RULES.memory.carry_patterns.all_patterns()
             + [re.compile(s, re.IGNORECASE | re.MULTILINE) for s in _SYNTHETIC]
             + [re.compile(s) for s in _SYNTHETIC])
 
 
+_PREFILTER = Prefilter(_all_patterns())
+
+
 @given(text=st.lists(st.sampled_from(_TRICKY), max_size=40).map("".join))
 def test_prefilter_never_hides_a_match(text: str) -> None:
-    """`may_match` is False only when the pattern really has no match: case folding as
+    """The prefilter rules a pattern out only when it really has no match: case folding as
     `re.IGNORECASE` does it (s/ſ, i/ı/İ, k/K, σ/ς, ß/ẞ), inline flag groups, alternations,
-    repeats."""
-    from gateway.carry.rules import fold, may_match
-
-    folded = fold(text)
-    for pat in _all_patterns():
-        if not may_match(pat, text, folded):
+    repeats; case-sensitive and case-insensitive patterns in one prefilter."""
+    mask = _PREFILTER.scan(text)
+    for pat in _PREFILTER.patterns:
+        if not _PREFILTER.may_match(pat, mask):
             assert list(pat.finditer(text)) == [], pat.pattern
 
 
@@ -231,3 +231,12 @@ def test_str_lower_is_the_simple_lowercase_sre_uses() -> None:
            and chr(c).lower() != chr(_sre.unicode_tolower(c))]
     assert odd == [0x130]
     assert fold("\u0130") == fold("i") == fold("I")
+
+
+@given(text=st.text(alphabet=" \t\n\u3000ab.,，。;；!！?中", max_size=30))
+def test_first_clause_is_the_stripped_text_up_to_its_first_clause_mark(text: str) -> None:
+    """What a user's constraint is recorded as: the definition, split after strip()."""
+    from gateway.carry.snapshot import _first_clause
+
+    assert _first_clause(text) == re.split(r"[，,。；;.!！]", text.strip(), maxsplit=1)[
+        0].strip()[:120]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from re import _casefix, _constants, _parser  # type: ignore[attr-defined]
 from typing import Any
 
+import ahocorasick_rs
 import yaml
 
 from ..errors import RulesError
@@ -33,6 +35,14 @@ class CarryPatterns:
     small_talk: re.Pattern[str]
     output_verbs: re.Pattern[str]
     note: str
+    prefilter: Prefilter = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefilter", Prefilter(self.all_patterns()))
+
+    def all_patterns(self) -> list[re.Pattern[str]]:
+        return [*(pat for _, pat in self.refs), *(d.pattern for d in self.deictics),
+                self.create, self.ask, self.close, self.small_talk, self.output_verbs]
 
 
 _ZERO_WIDTH = {_constants.AT, _constants.ASSERT, _constants.ASSERT_NOT}
@@ -187,26 +197,68 @@ def required(pattern: re.Pattern[str]) -> tuple[tuple[str, ...], bool] | None:
     return tuple(sorted({fold(s) if icase else s for s in need})), icase
 
 
-_NEEDS: dict[int, tuple[re.Pattern[str], tuple[tuple[str, ...], bool] | None]] = {}
+class Prefilter:
+    """Which of a rule set's patterns may match a text, from one Aho-Corasick pass.
+
+    Every pattern's `required()` strings go into one automaton (folded ones into a
+    second, run over `fold(text)`); a pattern none of whose strings occur in a text
+    certainly has no match there, and its regex is not run. One pass over the text
+    replaces a substring search per string (~120 for the shipped rules)."""
+
+    def __init__(self, patterns: Iterable[re.Pattern[str]]) -> None:
+        self.patterns = list(dict.fromkeys(patterns))
+        # keyed by id: hashing a compiled pattern hashes its whole program, every time
+        self._bit = {id(pat): 1 << k for k, pat in enumerate(self.patterns)}
+        self.always = 0  # patterns without fixed strings: always run
+        plain: dict[str, int] = {}
+        folded: dict[str, int] = {}
+        for pattern in self.patterns:
+            b = self._bit[id(pattern)]
+            need = required(pattern)
+            if need is None:
+                self.always |= b
+                continue
+            strings, icase = need
+            into = folded if icase else plain
+            for s in strings:
+                into[s] = into.get(s, 0) | b
+        self._plain, self._folded = _Automaton.of(plain), _Automaton.of(folded)
+
+    def scan(self, text: str) -> int:
+        """A mask of the patterns that may match `text`."""
+        mask = self.always
+        if self._plain is not None:
+            mask |= self._plain.scan(text)
+        if self._folded is not None:
+            mask |= self._folded.scan(fold(text))
+        return mask
+
+    def may_match(self, pattern: re.Pattern[str], mask: int) -> bool:
+        """False only when `pattern` certainly has no match in the text `mask` came from."""
+        return bool(mask & self._bit[id(pattern)])
 
 
-def may_match(pattern: re.Pattern[str], text: str, folded: str | None = None) -> bool:
-    """False only when `pattern` certainly has no match in `text`; `folded` is
-    `fold(text)` when the caller has it (one per message for all patterns)."""
-    hit = _NEEDS.get(id(pattern))
-    if hit is None or hit[0] is not pattern:
-        if len(_NEEDS) > 512:  # patterns of replaced rules
-            _NEEDS.clear()
-        hit = _NEEDS[id(pattern)] = (pattern, required(pattern))
-    need = hit[1]
-    if need is None:
-        return True
-    strings, icase = need
-    hay = text if not icase else fold(text) if folded is None else folded
-    for s in strings:
-        if s in hay:
-            return True
-    return False
+class _Automaton:
+    """Strings -> masks; `scan` ORs the masks of the strings a text contains."""
+
+    def __init__(self, strings: dict[str, int]) -> None:
+        # on UTF-8 bytes: a string occurs in a text exactly where its encoding occurs in the
+        # text's encoding, and no character offsets have to be worked out
+        self._masks = list(strings.values())
+        self._ac = ahocorasick_rs.BytesAhoCorasick(
+            [s.encode("utf-8", "surrogatepass") for s in strings],
+            implementation=ahocorasick_rs.Implementation.DFA)
+
+    @classmethod
+    def of(cls, strings: dict[str, int]) -> _Automaton | None:
+        return cls(strings) if strings else None
+
+    def scan(self, text: str) -> int:
+        masks, mask = self._masks, 0
+        for k, _, _ in self._ac.find_matches_as_indexes(
+                text.encode("utf-8", "surrogatepass"), overlapping=True):
+            mask |= masks[k]
+        return mask
 
 
 def _compile(file: str, key: str, pattern: Any) -> re.Pattern[str]:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .rules import CarryPatterns, Deictic, fold, may_match
+from .rules import CarryPatterns, Deictic
 
 SEED_KEEP = ("task_state", "resolved_refs", "confirmed_constraints", "output_file")
 ALL_FIELDS = (*SEED_KEEP, "refs", "tool_results", "dropped_candidates", "ambiguous")
@@ -80,17 +80,24 @@ def _sentences_with_question(text: str) -> str:
     return asked[-1] if asked else text.strip()[:160]
 
 
+_CLAUSE_END = re.compile(r"[，,。；;.!！]")
+
+
 def _first_clause(text: str) -> str:
-    return re.split(r"[，,。；;.!！]", text.strip(), maxsplit=1)[0].strip()[:120]
+    """The text up to its first clause mark, stripped, at most 120 characters."""
+    m = _CLAUSE_END.search(text)
+    return (text[: m.start()] if m else text).strip()[:120]
 
 
-def _refs_in(p: CarryPatterns, text: str, low: str | None = None) -> list[tuple[str, str]]:
+def _refs_in(p: CarryPatterns, text: str, mask: int) -> list[tuple[str, str]]:
     """(type, value) in text order; a span already taken by an earlier pattern (a path)
-    is not matched again by a later one (a service name inside that path)."""
+    is not matched again by a later one (a service name inside that path). `mask`:
+    the patterns that may match, from `p.prefilter.scan(text)`."""
     taken: list[tuple[int, int]] = []
     found: list[tuple[int, str, str]] = []
+    may = p.prefilter.may_match
     for rtype, pat in p.refs:
-        if not may_match(pat, text, low):  # a few substring searches for its fixed strings
+        if not may(pat, mask):  # none of its fixed strings is in the text
             continue
         for mt in pat.finditer(text):
             a, b = mt.span()
@@ -130,18 +137,17 @@ def _extract(p: CarryPatterns, role: str, text: str) -> _Extract:
 def _extract_cached(role: str, text: str) -> _Extract:
     p = _PATTERNS[0]
     user = role == "user"
-    low = fold(text)  # one case-folded copy: each pattern first looks for its fixed strings
+    mask = p.prefilter.scan(text)  # which patterns' fixed strings the text contains
+    may = p.prefilter.may_match
 
     def search(pat: re.Pattern[str]) -> bool:
-        return may_match(pat, text, low) and pat.search(text) is not None
+        return may(pat, mask) and pat.search(text) is not None
 
     return _Extract(
-        small_talk=user and may_match(p.small_talk, text, low)
-        and p.small_talk.match(text) is not None,
+        small_talk=user and may(p.small_talk, mask) and p.small_talk.match(text) is not None,
         deictics=tuple((k, m.group(0)) for k, d in enumerate(p.deictics)
-                       if may_match(d.pattern, text, low)
-                       for m in d.pattern.finditer(text)) if user else (),
-        refs=tuple(_refs_in(p, text, low)),
+                       if may(d.pattern, mask) for m in d.pattern.finditer(text)) if user else (),
+        refs=tuple(_refs_in(p, text, mask)),
         create=user and search(p.create),
         ask=not user and search(p.ask),
         close=not user and search(p.close),
