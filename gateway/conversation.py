@@ -66,10 +66,19 @@ class Conversation:
     # what the planner computed over a prefix of `groups` (checkpoints), shared by the
     # conversations a session's history cache joins from this one's head
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    # the groups with pins, listed when first asked for (history.join extends the head's)
+    pinned: list[int] | None = field(default=None, compare=False, repr=False)
 
     @property
     def total_chars(self) -> int:
         return sum(self.chars)
+
+    @property
+    def pinned_groups(self) -> list[int]:
+        """Indices of the groups that carry pins (active or not), ascending."""
+        if self.pinned is None:
+            self.pinned = [g for g, grp in enumerate(self.groups) if grp.pins]
+        return self.pinned
 
 
 def content_chars(content: Any) -> int:

@@ -92,6 +92,7 @@ def join(head: Conversation, tail: Conversation, at: int) -> Conversation:
         media_parts=head.media_parts + tail.media_parts,
         has_metadata=head.has_metadata or tail.has_metadata,
         memo=head.memo,
+        pinned=head.pinned_groups + [g + len(head.groups) for g in tail.pinned_groups],
     )
 
 

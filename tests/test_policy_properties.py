@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from gateway.chat import Decision, decide
 from gateway.conversation import is_active
+from gateway.policy import Plan
 from gateway.rules import Rules, build_rules
 from gateway.tokens import Tokenizers
 from gateway.wire import openai_chat
@@ -33,6 +35,16 @@ def run(msgs: list[dict[str, Any]], rules: Rules) -> Decision:
     return decide(raw, orjson.loads(raw), rules, TOKENIZERS)
 
 
+def assert_dropped_listing(p: Plan) -> None:
+    """The dropped messages as listed and as counted (from runs of groups) agree; the
+    listing is ascending, without repeats, and the `evict` stage dropped the most."""
+    listed = list(p.dropped)
+    assert len(p.dropped) == len(listed) and bool(p.dropped) == bool(listed)
+    assert [i for i, _ in listed] == sorted({i for i, _ in listed})
+    stages = Counter(s for _, s in listed)
+    assert p.evict == (max(sorted(stages), key=lambda s: stages[s]) if stages else "none")
+
+
 def current_turn_start(msgs: list[dict[str, Any]]) -> int:
     users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
     return users[-1]
@@ -50,6 +62,7 @@ def test_structure_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]
     assert kept == sorted(set(kept))
     assert set(kept).isdisjoint(i for i, _ in p.dropped)
     assert set(kept) | {i for i, _ in p.dropped} == set(range(len(msgs)))
+    assert_dropped_listing(p)
     for i, m in enumerate(msgs):
         if m["role"] in ("system", "developer"):
             assert i in kept

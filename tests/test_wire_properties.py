@@ -15,6 +15,7 @@ from gateway.wire.anthropic_messages import ANTHROPIC_MESSAGES
 from gateway.wire.openai_responses import OPENAI_RESPONSES
 
 from .strategies import conversation, memory_rules, to_anthropic, to_responses
+from .test_policy_properties import assert_dropped_listing
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = Tokenizers(50_000)
@@ -42,6 +43,8 @@ def test_anthropic_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]
     assert out["system"] == body["system"]
     src = body["messages"]
     assert out["messages"] == [strip(src[i]) for i in d.plan.kept]
+    assert_dropped_listing(d.plan)
+    assert set(d.plan.kept) | {i for i, _ in d.plan.dropped} == set(range(len(src)))
     last_user = max(i for i, m in enumerate(src) if m["role"] == "user" and not any(
         b.get("type") == "tool_result" for b in m["content"]))
     assert set(range(last_user, len(src))) <= set(d.plan.kept)
@@ -73,6 +76,8 @@ def test_responses_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]
     src = body["input"]
     out = orjson.loads(d.forward)["input"]
     assert out == [strip(src[i]) for i in d.plan.kept]
+    assert_dropped_listing(d.plan)
+    assert set(d.plan.kept) | {i for i, _ in d.plan.dropped} == set(range(len(src)))
     last_user = max(i for i, it in enumerate(src) if it.get("role") == "user")
     assert set(range(last_user, len(src))) <= set(d.plan.kept)
     calls = {it["call_id"] for it in out if it["type"] == "function_call"}

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..conversation import Conversation, Group, is_active
 
@@ -39,10 +40,53 @@ class PlanRules:
     low_water: float = 1.0  # 1.0 = cut just under the budget (a sliding window)
 
 
+class Dropped(Sequence[tuple[int, str]]):
+    """(message index, stage that dropped it), ascending: runs of dropped groups, listed
+    only when read item by item. A long history drops thousands of messages on every
+    request and most readers only count them or ask whether there are any."""
+
+    __slots__ = ("_groups", "_items", "_n", "_runs")
+
+    def __init__(self, groups: Sequence[Group] = (), runs: Sequence[tuple[int, int, str]] = (),
+                 n: int = 0) -> None:
+        self._groups, self._runs, self._n = groups, runs, n  # runs: (first, end, stage)
+        self._items: tuple[tuple[int, str], ...] | None = None if n else ()
+
+    def _list(self) -> tuple[tuple[int, str], ...]:
+        if self._items is None:
+            groups = self._groups
+            self._items = tuple((i, stage) for a, b, stage in self._runs
+                                for g in range(a, b) for i in groups[g].indices)
+        return self._items
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+    def __getitem__(self, k: Any) -> Any:
+        return self._list()[k]
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        return iter(self._list())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Dropped | tuple):
+            return self._list() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._list())
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     kept: tuple[int, ...]
-    dropped: tuple[tuple[int, str], ...]  # (message index, stage that dropped it)
+    dropped: Dropped  # (message index, stage that dropped it), ascending
     kept_by: tuple[str, ...]  # parallel to kept: system | current | <stage> | unbudgeted
     pinned: int  # pinned messages kept
     pinned_overflow: int  # pinned messages beyond max_pinned (not protected)
@@ -63,6 +107,7 @@ def _dominant_stage(counts: dict[str, int]) -> str:
 
 
 _NO_LIMIT = 1 << 62
+_DROP_MARKS: dict[str, tuple[str, str]] = {}  # stage -> its decision mark
 Cost = tuple[int, int, int]  # tokens, chars, messages
 
 
@@ -131,8 +176,8 @@ class _State:
         self.messages_used += m
 
     def drop(self, g: int, stage: str) -> None:
-        if self.decision[g] is None:
-            self.decision[g] = (DROP, stage)
+        if self.decision[g] is None:  # one mark per stage: the plan lists runs of them
+            self.decision[g] = _DROP_MARKS.get(stage) or _DROP_MARKS.setdefault(stage, (DROP, stage))
 
     def anchor(self, g: int) -> int | None:
         """The first user group of g's turn (None: the turn has none), found in the
@@ -181,7 +226,7 @@ def keep_pinned(st: _State) -> None:
     ranked: list[tuple[tuple[int, float, int], int]] = []
     n_active: dict[int, int] = {}
     groups, decision = st.conv.groups, st.decision
-    for g in [g for g, grp in enumerate(groups) if grp.pins and decision[g] is None]:
+    for g in [g for g in st.conv.pinned_groups if decision[g] is None]:
         grp = groups[g]
         active = [
             p for _, p in grp.pins if is_active(p, grp.turn, cur, st.rules.min_score)
@@ -225,8 +270,12 @@ def keep_recent_turns(st: _State) -> None:
     decision = st.decision
     # groups are in turn order: the first k are the turns the cap drops
     k = bisect.bisect_left(st.conv.groups, oldest_allowed, key=lambda grp: grp.turn)
-    mark = (DROP, "recent_turns")
-    decision[:k] = [mark if d is None else d for d in decision[:k]]
+    mark = _DROP_MARKS.get("recent_turns") or _DROP_MARKS.setdefault(
+        "recent_turns", (DROP, "recent_turns"))
+    if any(decision[:k]):  # some kept by an earlier stage (pins)
+        decision[:k] = [mark if d is None else d for d in decision[:k]]
+    else:
+        decision[:k] = [mark] * k
 
 
 def fit_length_budget(st: _State) -> None:
@@ -284,8 +333,8 @@ def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
     best: int | None = None
     t_sum = c_sum = m_sum = 0
     newest = max(max(by_turn), max(checkpoints))
-    oldest = min(min(by_turn), checkpoints[0])
-    for turn in range(newest, oldest - 1, -1):
+    lowest = min(by_turn)
+    for turn in range(newest, lowest - 1, -1):
         gs = by_turn.get(turn)
         if gs is not None:
             t, c, m = st.turn_cost(turn, gs)
@@ -294,6 +343,11 @@ def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
             if not st.fits((t_sum, c_sum, m_sum)):
                 break
             best = turn
+    else:
+        # older turns add nothing (an earlier stage decided them): every older checkpoint
+        # fits exactly when this tail does, and the oldest of them is the earliest
+        if checkpoints[0] < lowest and st.fits((t_sum, c_sum, m_sum)):
+            best = checkpoints[0]
     return best
 
 
@@ -367,7 +421,8 @@ def _fit_groups(st: _State) -> None:
 def keep_by_score(st: _State) -> None:
     """Keep older scored groups by score, then recency, while they fit the budget."""
     scored: list[tuple[float, int]] = []
-    for g, grp in enumerate(st.conv.groups):
+    for g in st.conv.pinned_groups:  # scores are pins
+        grp = st.conv.groups[g]
         if st.decision[g] is None:
             scores = [p.score for _, p in grp.pins if p.score is not None]
             if scores:
@@ -406,9 +461,9 @@ def plan(
     if _fits_without_planning(conv, lim, tokens_upper_bound):
         return Plan(
             kept=tuple(range(conv.n_messages)),
-            dropped=(),
+            dropped=Dropped(),
             kept_by=("fits",) * conv.n_messages,
-            pinned=_count_pins(conv, range(len(groups)), rules),
+            pinned=_count_pins(conv, conv.pinned_groups, rules),
             pinned_overflow=0,
             over_budget=False,
             kept_tokens=None,
@@ -441,20 +496,31 @@ def plan(
     st.keep(current, "current")
     for name in rules.order:
         STAGES[name](st)
-    kept_groups = [g for g, d in enumerate(st.decision) if d is None or d[0] == KEEP]
+    kept_groups: list[int] = []
+    runs: list[tuple[int, int, str]] = []  # dropped groups [first, end) by one stage
+    run_start, run_mark = 0, None
+    for g, d in enumerate(st.decision):
+        if d is not run_mark:
+            if run_mark is not None:
+                runs.append((run_start, g, run_mark[1]))
+            run_start, run_mark = g, (d if d is not None and d[0] == DROP else None)
+        if run_mark is None:
+            kept_groups.append(g)
+    if run_mark is not None:
+        runs.append((run_start, len(groups), run_mark[1]))
     why = dict.fromkeys(conv.fixed, "system")
     for g in kept_groups:
         d = st.decision[g]
         for i in groups[g].indices:
             why[i] = d[1] if d is not None else "unbudgeted"
     kept = sorted(why)
-    dropped_groups = [(g, d[1]) for g, d in enumerate(st.decision)
-                      if d is not None and d[0] == DROP]
-    dropped = [(i, stage) for g, stage in dropped_groups for i in groups[g].indices]
-    dropped.sort()
     drops: dict[str, int] = {}
-    for g, stage in dropped_groups:
-        drops[stage] = drops.get(stage, 0) + len(groups[g].indices)
+    n_dropped = 0
+    for a, b, stage in runs:
+        n = _messages_in(conv, a, b)
+        drops[stage] = drops.get(stage, 0) + n
+        n_dropped += n
+    dropped = Dropped(groups, runs, n_dropped)
     # what the stages kept is summed in st; groups no stage decided are kept too
     open_tokens, open_chars, _ = st.cost([g for g in kept_groups if st.decision[g] is None])
     kept_tokens = st.tokens_used + open_tokens
@@ -466,7 +532,7 @@ def plan(
     )
     return Plan(
         kept=tuple(kept),
-        dropped=tuple(dropped),
+        dropped=dropped,
         kept_by=tuple(why[i] for i in kept),
         pinned=_count_pins(conv, kept_groups, rules),
         pinned_overflow=st.pinned_overflow,
@@ -476,6 +542,14 @@ def plan(
         fill_fallback=st.fill_fallback and bool(dropped),
         evict=_dominant_stage(drops),
     )
+
+
+def _messages_in(conv: Conversation, a: int, b: int) -> int:
+    """Messages in groups[a:b]: groups hold ascending, disjoint indices and, with the
+    fixed messages, every index once; so the span minus the fixed messages inside it."""
+    groups, fixed = conv.groups, conv.fixed
+    lo, hi = groups[a].indices[0], groups[b - 1].indices[-1]
+    return hi - lo + 1 - (bisect.bisect_right(fixed, hi) - bisect.bisect_left(fixed, lo))
 
 
 def _fits_without_planning(conv: Conversation, lim: Limits, bound: int | None) -> bool:
