@@ -187,6 +187,22 @@ def test_prefilter_never_hides_a_match(text: str) -> None:
             assert list(pat.finditer(text)) == [], pat.pattern
 
 
+@given(text=st.lists(st.sampled_from([*_TRICKY, "À", "Σ", "σ", "ς", "K", "Ⅰ", "\u0307"]),
+                     max_size=30).map("".join) | st.text(max_size=40))
+def test_prefilter_scan_is_a_substring_test_per_pattern(text: str) -> None:
+    """One automaton pass over the text's ASCII lowercase (or, when the text holds a
+    character fold() changes, over its fold) finds exactly the patterns one of whose
+    fixed strings is a substring of `fold(text)` (of `text`, for case-sensitive ones)."""
+    from gateway.carry.rules import fold, required
+
+    want = 0
+    for pat in _PREFILTER.patterns:
+        need = required(pat)
+        if need is None or any(s in (fold(text) if need[1] else text) for s in need[0]):
+            want |= _PREFILTER.bit(pat)
+    assert _PREFILTER.scan(text) == want
+
+
 def test_prefilter_has_fixed_strings_for_the_shipped_rules() -> None:
     """The shipped patterns all get a prefilter (otherwise every message pays the slow scan)."""
     from gateway.carry.rules import required

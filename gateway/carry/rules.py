@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +37,15 @@ class CarryPatterns:
     output_verbs: re.Pattern[str]
     note: str
     prefilter: Prefilter = field(init=False, compare=False, repr=False)
+    # (type, pattern, its prefilter bit) per ref pattern, in order
+    ref_bits: tuple[tuple[str, re.Pattern[str], int], ...] = field(
+        init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prefilter", Prefilter(self.all_patterns()))
+        pre = Prefilter(self.all_patterns())
+        object.__setattr__(self, "prefilter", pre)
+        object.__setattr__(self, "ref_bits", tuple(
+            (rtype, pat, pre.bit(pat)) for rtype, pat in self.refs))
 
     def all_patterns(self) -> list[re.Pattern[str]]:
         return [*(pat for _, pat in self.refs), *(d.pattern for d in self.deictics),
@@ -197,18 +204,40 @@ def required(pattern: re.Pattern[str]) -> tuple[tuple[str, ...], bool] | None:
     return tuple(sorted({fold(s) if icase else s for s in need})), icase
 
 
+@functools.cache
+def _folded_by_fold() -> tuple[str, ...]:
+    """Every non-ASCII character that fold() changes (capitals, ſ, ı, K, ς, ...): a text
+    without any of them folds to its ASCII lowercase."""
+    cps = array("I", range(0x80, 0x130))
+    cps.extend(range(0x131, 0xD800))  # U+0130: the one whose lower() is two characters
+    cps.extend(range(0xE000, 0x110000))
+    chars = cps.tobytes().decode("utf-32-le")
+    low = chars.lower()
+    out = {"\u0130", *(chr(c) for c in _REP if chr(c).lower() == chr(c))}
+    for k in range(0, len(chars), 512):  # compare blocks; only differing ones per character
+        a, b = chars[k:k + 512], low[k:k + 512]
+        if a != b:
+            out.update(x for x, y in zip(a, b, strict=True) if x != y)
+    return tuple(sorted(out))
+
+
+_UNFOLDED = 1  # the mask bit the characters of _folded_by_fold() set
+
+
 class Prefilter:
     """Which of a rule set's patterns may match a text, from one Aho-Corasick pass.
 
-    Every pattern's `required()` strings go into one automaton (folded ones into a
-    second, run over `fold(text)`); a pattern none of whose strings occur in a text
-    certainly has no match there, and its regex is not run. One pass over the text
-    replaces a substring search per string (~120 for the shipped rules)."""
+    Every pattern's `required()` strings go into one automaton; a pattern none of whose
+    strings occur in a text certainly has no match there, and its regex is not run.
+    One pass over the text's UTF-8 replaces a substring search per string (~120 for
+    the shipped rules). Case-insensitive strings are compared on the text's ASCII
+    lowercase, exactly `fold(text)` unless the text holds a character fold() changes
+    (those are strings of the automaton too: such a text is scanned again, folded)."""
 
     def __init__(self, patterns: Iterable[re.Pattern[str]]) -> None:
         self.patterns = list(dict.fromkeys(patterns))
         # keyed by id: hashing a compiled pattern hashes its whole program, every time
-        self._bit = {id(pat): 1 << k for k, pat in enumerate(self.patterns)}
+        self._bit = {id(pat): 2 << k for k, pat in enumerate(self.patterns)}
         self.always = 0  # patterns without fixed strings: always run
         plain: dict[str, int] = {}
         folded: dict[str, int] = {}
@@ -222,16 +251,27 @@ class Prefilter:
             into = folded if icase else plain
             for s in strings:
                 into[s] = into.get(s, 0) | b
-        self._plain, self._folded = _Automaton.of(plain), _Automaton.of(folded)
+        self._plain = _Automaton.of(plain)
+        self._folded = _Automaton.of(folded)
+        self._lowered = _Automaton.of(folded and {
+            **folded, **{c: folded.get(c, 0) | _UNFOLDED for c in _folded_by_fold()}})
 
     def scan(self, text: str) -> int:
         """A mask of the patterns that may match `text`."""
         mask = self.always
+        raw = text.encode("utf-8", "surrogatepass")
         if self._plain is not None:
-            mask |= self._plain.scan(text)
-        if self._folded is not None:
-            mask |= self._folded.scan(fold(text))
+            mask |= self._plain.scan(raw)
+        if self._lowered is not None and self._folded is not None:
+            hit = self._lowered.scan(raw.lower())
+            if hit & _UNFOLDED:
+                hit = self._folded.scan(fold(text).encode("utf-8", "surrogatepass"))
+            mask |= hit
         return mask
+
+    def bit(self, pattern: re.Pattern[str]) -> int:
+        """`pattern`'s bit in the masks `scan` returns."""
+        return self._bit[id(pattern)]
 
     def may_match(self, pattern: re.Pattern[str], mask: int) -> bool:
         """False only when `pattern` certainly has no match in the text `mask` came from."""
@@ -239,7 +279,7 @@ class Prefilter:
 
 
 class _Automaton:
-    """Strings -> masks; `scan` ORs the masks of the strings a text contains."""
+    """Strings -> masks; `scan` ORs the masks of the strings a UTF-8 text contains."""
 
     def __init__(self, strings: dict[str, int]) -> None:
         # on UTF-8 bytes: a string occurs in a text exactly where its encoding occurs in the
@@ -253,10 +293,9 @@ class _Automaton:
     def of(cls, strings: dict[str, int]) -> _Automaton | None:
         return cls(strings) if strings else None
 
-    def scan(self, text: str) -> int:
+    def scan(self, utf8: bytes) -> int:
         masks, mask = self._masks, 0
-        for k, _, _ in self._ac.find_matches_as_indexes(
-                text.encode("utf-8", "surrogatepass"), overlapping=True):
+        for k, _, _ in self._ac.find_matches_as_indexes(utf8, overlapping=True):
             mask |= masks[k]
         return mask
 

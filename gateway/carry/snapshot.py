@@ -95,9 +95,8 @@ def _refs_in(p: CarryPatterns, text: str, mask: int) -> list[tuple[str, str]]:
     the patterns that may match, from `p.prefilter.scan(text)`."""
     taken: list[tuple[int, int]] = []
     found: list[tuple[int, str, str]] = []
-    may = p.prefilter.may_match
-    for rtype, pat in p.refs:
-        if not may(pat, mask):  # none of its fixed strings is in the text
+    for rtype, pat, bit in p.ref_bits:
+        if not mask & bit:  # none of its fixed strings is in the text
             continue
         for mt in pat.finditer(text):
             a, b = mt.span()
