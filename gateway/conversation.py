@@ -11,12 +11,10 @@ this shape. Nothing here does I/O.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-
 
 META_KEY = "memgate"  # gateway metadata on a message: {"pin", "score", "ttl"}, never forwarded
 
@@ -90,7 +88,6 @@ def content_chars(content: Any) -> int:
     return len(orjson.dumps(content).decode("utf-8"))
 
 
-@functools.lru_cache(maxsize=100_000)
 def approx_tokens(s: str) -> int:
     """~4 ASCII characters per token, ~1 token per CJK character; no tokenizer."""
     n = len(s)
@@ -143,7 +140,7 @@ def read_metadata(meta: Any, where: str) -> Pin | None:
 
 def pin_of(meta_pin: Pin | None, text: str | None, prefix: str, min_score: float) -> Pin | None:
     """The effective pin of a message, or None."""
-    by_prefix = bool(prefix) and text is not None and text.lstrip().startswith(prefix)
+    by_prefix = bool(prefix) and text is not None and has_prefix(text, prefix)
     if meta_pin is None:
         return Pin(explicit=True, score=None, ttl=None) if by_prefix else None
     explicit = meta_pin.explicit or by_prefix
@@ -155,15 +152,21 @@ def pin_of(meta_pin: Pin | None, text: str | None, prefix: str, min_score: float
     return None
 
 
+def has_prefix(text: str, prefix: str) -> bool:
+    """text.lstrip().startswith(prefix), without copying the text when it starts with
+    no whitespace."""
+    return text.startswith(prefix) or (text[:1].isspace() and text.lstrip().startswith(prefix))
+
+
 def message_pin(
-    m: dict[str, Any], where: str, text: str | None, prefix: str, min_score: float
+    m: dict[str, Any], key: str, i: int, text: str | None, prefix: str, min_score: float
 ) -> tuple[Pin | None, bool]:
-    """(effective pin, whether gateway metadata was present) of one message."""
+    """(effective pin, whether gateway metadata was present) of message `key[i]`."""
     meta = None
     has_meta = META_KEY in m
     if has_meta:
-        meta = read_metadata(m[META_KEY], f"{where}.{META_KEY}")
-    if meta is None and not (text and text.lstrip().startswith(prefix)):
+        meta = read_metadata(m[META_KEY], f"{key}[{i}].{META_KEY}")
+    if meta is None and not (prefix and text and has_prefix(text, prefix)):
         return None, has_meta
     return pin_of(meta, text, prefix, min_score), has_meta
 

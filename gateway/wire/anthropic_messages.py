@@ -58,7 +58,7 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
         n_chars = content_chars(content)
         chars.append(n_chars)
         media += sum(1 for b in _blocks(content) if b.get("type") in ("image", "document"))
-        pin, meta_here = message_pin(m, f"messages[{i}]", first_text(content), prefix,
+        pin, meta_here = message_pin(m, "messages", i, first_text(content), prefix,
                                      min_score)
         has_meta = has_meta or meta_here
         if role == "user":

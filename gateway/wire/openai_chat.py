@@ -55,7 +55,7 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
                     if not (isinstance(p, dict) and isinstance(p.get("text"), str))
                 )
         chars.append(n_chars)
-        pin, meta_here = message_pin(m, f"messages[{i}]", text, prefix, min_score)
+        pin, meta_here = message_pin(m, "messages", i, text, prefix, min_score)
         has_meta = has_meta or meta_here
 
         if role in FIXED_ROLES:

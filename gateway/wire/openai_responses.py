@@ -75,7 +75,7 @@ def parse(items: list[Any], prefix: str, min_score: float) -> Conversation:
                 1 for p in content if isinstance(p, dict) and p.get("type") in ("input_image",
                                                                                    "input_file")
             )
-        pin, meta_here = message_pin(it, f"input[{i}]", first_text(content), prefix, min_score)
+        pin, meta_here = message_pin(it, "input", i, first_text(content), prefix, min_score)
         has_meta = has_meta or meta_here
         if t == "message":
             role = it.get("role")
