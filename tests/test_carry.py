@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.carry import Message, build_snapshot
+from gateway.carry import Fold, Message, build_snapshot
 from gateway.carry.rules import Prefilter
 from gateway.mock_upstream import RECORD, create_mock_app
 from gateway.rules import load_rules
@@ -256,3 +256,71 @@ def test_first_clause_is_the_stripped_text_up_to_its_first_clause_mark(text: str
 
     assert _first_clause(text) == re.split(r"[，,。；;.!！]", text.strip(), maxsplit=1)[
         0].strip()[:120]
+
+
+class _ScanAllFold(Fold):
+    """The reference: a deictic resolved by scanning every ref seen so far."""
+
+    def _resolve(self, d: Any, phrase: str, turn: int) -> bool:
+        types = [d.type] if d.type != "any" else list(dict.fromkeys(
+            t for t, _ in reversed(self.order)))
+        need = 1 if d.pick == "latest" else 2
+        for rtype in types:
+            cands = [self.refs[k] for k in self.order if k[0] == rtype]
+            if len(cands) >= need:
+                if d.pick == "latest":
+                    chosen, other = cands[-1], None
+                elif d.pick == "earlier":
+                    chosen, other = cands[-2], cands[-1]
+                else:
+                    chosen, other = cands[-1], cands[-2]
+                self.resolved[phrase] = chosen.value
+                self._mention(chosen.type, chosen.value, turn)
+                if other is not None:
+                    self.dropped_candidates.append(other.value)
+                    self.refs.pop((other.type, other.value), None)
+                    self.order.pop((other.type, other.value), None)
+                return True
+            if d.type != "any":
+                break
+        self.ambiguous.append(phrase)
+        return False
+
+
+_PIECES = ["/data/a.csv", "/srv/b", "report.json", "notes.md", "yesterday", "2024-05-01",
+           "pay 服务", "that file", "that path", "it", "the former", "the latter", "它",
+           "前一个", "后一个", "那个服务", "https://x.io/y", "last week", "and", "ok"]
+
+
+@given(msgs=st.lists(st.tuples(st.sampled_from(["user", "assistant", "tool"]),
+                               st.lists(st.sampled_from(_PIECES), min_size=1, max_size=6)),
+                     max_size=30))
+def test_fold_resolves_deictics_as_a_scan_of_every_ref_would(
+        msgs: list[tuple[str, list[str]]]) -> None:
+    """Per-type indexes of the refs change nothing: the same snapshot, at every step, as
+    the fold that looks through all refs seen so far for each deictic."""
+    from gateway.carry import CarryRules
+
+    patterns = RULES.memory.carry_patterns
+    fast, slow = Fold(patterns), _ScanAllFold(patterns)
+    for turn, (role, words) in enumerate(msgs, start=1):
+        m = Message(turn, role, " ".join(words))
+        fast.add(m)
+        slow.add(m)
+        assert fast.snapshot(CarryRules(), turn) == slow.snapshot(CarryRules(), turn)
+        assert list(fast.order) == list(slow.order)
+        fast = fast.copy()  # checkpoints carry the indexes along
+
+
+@given(text=st.lists(st.sampled_from([*_TRICKY, "它", "其它", "它们", " ", "bit", "it's", "_it",
+                                      "IT", "Iterate", "\n"]), max_size=30).map("".join))
+def test_shipped_it_deictic_is_the_word_boundary_form(text: str) -> None:
+    """rules/carry.yaml writes `(?<![\\w])它(?![\\w])|\\bit\\b` with each branch opening on
+    its literal (fast to scan for); the same matches either way."""
+    flags = re.IGNORECASE | re.MULTILINE
+    shipped = [d.pattern for d in RULES.memory.carry_patterns.deictics
+               if d.pattern.pattern.startswith("它")]
+    assert len(shipped) == 1
+    reference = re.compile(r"(?<![\w])它(?![\w])|\bit\b", flags)
+    assert ([m.span() for m in shipped[0].finditer(text)]
+            == [m.span() for m in reference.finditer(text)])

@@ -14,6 +14,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from .rules import CarryPatterns, Deictic
@@ -164,6 +165,10 @@ class Fold:
         self.p = p
         self.refs: dict[tuple[str, str], _Ref] = {}
         self.order: OrderedDict[tuple[str, str], None] = OrderedDict()  # latest last
+        # the same order per ref type, and the types by their latest mention: a deictic
+        # looks at the last one or two refs of a type, not at every ref seen so far
+        self.by_type: dict[str, OrderedDict[tuple[str, str], None]] = {}
+        self.types: OrderedDict[str, None] = OrderedDict()
         self.resolved: dict[str, str] = {}
         self.ambiguous: list[str] = []
         self.dropped_candidates: list[str] = []
@@ -180,6 +185,8 @@ class Fold:
         c.refs = {k: _Ref(r.type, r.value, r.first_turn, r.last_turn)
                   for k, r in self.refs.items()}
         c.order = OrderedDict(self.order)
+        c.by_type = {t: OrderedDict(keys) for t, keys in self.by_type.items()}
+        c.types = OrderedDict(self.types)
         c.resolved = dict(self.resolved)
         c.ambiguous = list(self.ambiguous)
         c.dropped_candidates = list(self.dropped_candidates)
@@ -200,16 +207,40 @@ class Fold:
             ref.last_turn = turn
         self.order[key] = None
         self.order.move_to_end(key)
+        same = self.by_type.get(rtype)
+        if same is None:
+            same = self.by_type[rtype] = OrderedDict()
+        same[key] = None
+        same.move_to_end(key)
+        self.types[rtype] = None
+        self.types.move_to_end(rtype)
 
-    def _candidates(self, rtype: str) -> list[_Ref]:
-        return [self.refs[k] for k in self.order if k[0] == rtype]
+    def _forget(self, ref: _Ref) -> None:
+        key = (ref.type, ref.value)
+        self.refs.pop(key, None)
+        self.order.pop(key, None)
+        same = self.by_type.get(ref.type)
+        if same is not None:
+            same.pop(key, None)
+            if not same:
+                del self.by_type[ref.type]
+                self.types.pop(ref.type, None)
+
+    def _latest(self, rtype: str, n: int) -> list[_Ref]:
+        """The last n refs of a type (fewer if there are not so many), oldest first."""
+        same = self.by_type.get(rtype)
+        if not same:
+            return []
+        out = [self.refs[k] for k in islice(reversed(same), n)]
+        out.reverse()
+        return out
 
     def _resolve(self, d: Deictic, phrase: str, turn: int) -> bool:
-        types = [d.type] if d.type != "any" else list(dict.fromkeys(t for t, _ in reversed(
-            self.order)))
+        # "any": the types by their latest mention, newest first
+        types = [d.type] if d.type != "any" else list(reversed(self.types))
         need = 1 if d.pick == "latest" else 2
         for rtype in types:
-            cands = self._candidates(rtype)
+            cands = self._latest(rtype, need)
             if len(cands) >= need:
                 if d.pick == "latest":
                     chosen, other = cands[-1], None
@@ -221,8 +252,7 @@ class Fold:
                 self._mention(chosen.type, chosen.value, turn)
                 if other is not None:  # the unchosen candidate: keep only its identifier
                     self.dropped_candidates.append(other.value)
-                    self.refs.pop((other.type, other.value), None)
-                    self.order.pop((other.type, other.value), None)
+                    self._forget(other)
                 return True
             if d.type != "any":
                 break
