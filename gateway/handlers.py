@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -139,7 +139,7 @@ def intercept(wire: Wire) -> Handler:
         state: GatewayState = request.app[STATE]
         rules = state.rules  # one snapshot for the whole request
         t0 = time.perf_counter()
-        rid = _RID.sub("", request.headers.get("X-Request-Id", ""))[:64] or uuid.uuid4().hex[:16]
+        rid = _RID.sub("", request.headers.get("X-Request-Id", ""))[:64] or os.urandom(8).hex()
         info = Relayed()
         d: Decision | None = None
         overhead_ms = 0.0

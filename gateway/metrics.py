@@ -3,9 +3,9 @@ reload result — never a session id or a model name a client can invent."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -56,35 +56,53 @@ class Metrics:
                                registry=r)
         self.bytes_relayed = Counter("memgate_relayed_bytes_total",
                                      "Response bytes relayed to clients", ["route"], registry=r)
+        # labelled children by route / (route, mode, status): bounded like the labels
+        self._routes: dict[str, _Route] = {}
+        self._requests: dict[tuple[str, str, int], Any] = {}
 
     def watch_history(self, cache: HistoryCache) -> None:
         """Export the per-session history cache: hits, misses, entries, estimated bytes."""
         self.registry.register(_HistoryCollector(cache))
 
+    def _route(self, route: str) -> _Route:
+        r = self._routes.get(route)
+        if r is None:  # a handful of routes: each metric's child looked up once
+            r = self._routes[route] = _Route(
+                self.overhead.labels(route), self.upstream.labels(route),
+                self.bytes_relayed.labels(route), self.skipped.labels(route),
+                self.tokens_before.labels(route), self.tokens_after.labels(route),
+                self.dropped.labels(route))
+        return r
+
     def observe(
         self, route: str, mode: str, d: Decision | None, info: Relayed, overhead_s: float,
         est_tokens: int | None,
     ) -> None:
-        self.requests.labels(route, mode, str(info.status or 499)).inc()
-        self.overhead.labels(route).observe(overhead_s)
+        key = (route, mode, info.status or 499)
+        counter = self._requests.get(key)
+        if counter is None:
+            counter = self._requests[key] = self.requests.labels(route, mode, str(key[2]))
+        counter.inc()
+        r = self._route(route)
+        r.overhead.observe(overhead_s)
         if info.status:
-            self.upstream.labels(route).observe(info.upstream_ms / 1000)
-        self.bytes_relayed.labels(route).inc(info.bytes_out)
+            r.upstream.observe(info.upstream_ms / 1000)
+        r.bytes_relayed.inc(info.bytes_out)
         if d is None:
             return
         if d.skip_reason is not None:
-            self.skipped.labels(route).inc()
+            r.skipped.inc()
         if est_tokens is not None:
-            self.tokens_before.labels(route).observe(est_tokens)
+            r.tokens_before.observe(est_tokens)
             p = d.plan
             if p is not None and mode == "on" and p.dropped:
                 after = d.kept_tokens()
             else:
                 after = est_tokens
-            self.tokens_after.labels(route).observe(after)
+            r.tokens_after.observe(after)
         p = d.plan
         if p is not None:
-            self.dropped.labels(route).observe(len(p.dropped) if mode == "on" else 0)
+            r.dropped.observe(len(p.dropped) if mode == "on" else 0)
             self.pinned.inc(p.pinned)
             self.pinned_overflow.inc(p.pinned_overflow)
             if p.over_budget:
@@ -92,6 +110,17 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    overhead: Any
+    upstream: Any
+    bytes_relayed: Any
+    skipped: Any
+    tokens_before: Any
+    tokens_after: Any
+    dropped: Any
 
 
 class _HistoryCollector:
