@@ -259,32 +259,13 @@ def test_first_clause_is_the_stripped_text_up_to_its_first_clause_mark(text: str
 
 
 class _ScanAllFold(Fold):
-    """The reference: a deictic resolved by scanning every ref seen so far."""
+    """The reference: what a deictic looks at, found by scanning every ref seen so far."""
 
-    def _resolve(self, d: Any, phrase: str, turn: int) -> bool:
-        types = [d.type] if d.type != "any" else list(dict.fromkeys(
-            t for t, _ in reversed(self.order)))
-        need = 1 if d.pick == "latest" else 2
-        for rtype in types:
-            cands = [self.refs[k] for k in self.order if k[0] == rtype]
-            if len(cands) >= need:
-                if d.pick == "latest":
-                    chosen, other = cands[-1], None
-                elif d.pick == "earlier":
-                    chosen, other = cands[-2], cands[-1]
-                else:
-                    chosen, other = cands[-1], cands[-2]
-                self.resolved[phrase] = chosen.value
-                self._mention(chosen.type, chosen.value, turn)
-                if other is not None:
-                    self.dropped_candidates.append(other.value)
-                    self.refs.pop((other.type, other.value), None)
-                    self.order.pop((other.type, other.value), None)
-                return True
-            if d.type != "any":
-                break
-        self.ambiguous.append(phrase)
-        return False
+    def _types_newest_first(self) -> list[str]:
+        return list(dict.fromkeys(t for t, _ in reversed(self.order)))
+
+    def _latest(self, rtype: str, n: int) -> list[Any]:
+        return [self.refs[k] for k in self.order if k[0] == rtype][-n:]
 
 
 _PIECES = ["/data/a.csv", "/srv/b", "report.json", "notes.md", "yesterday", "2024-05-01",

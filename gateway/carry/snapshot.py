@@ -235,9 +235,12 @@ class Fold:
         out.reverse()
         return out
 
+    def _types_newest_first(self) -> list[str]:
+        """The ref types by their latest mention, newest first."""
+        return list(reversed(self.types))
+
     def _resolve(self, d: Deictic, phrase: str, turn: int) -> bool:
-        # "any": the types by their latest mention, newest first
-        types = [d.type] if d.type != "any" else list(reversed(self.types))
+        types = [d.type] if d.type != "any" else self._types_newest_first()
         need = 1 if d.pick == "latest" else 2
         for rtype in types:
             cands = self._latest(rtype, need)
