@@ -278,7 +278,8 @@ def _carry_note(
     if d.conv is None:
         return False
     if carry.enabled and patterns is not None and d.plan is not None and d.plan.dropped:
-        d.snapshot = _fold(d, items, patterns).snapshot(carry, d.conv.groups[-1].turn)
+        d.snapshot = _fold(d, items, patterns).snapshot(carry, d.conv.groups[-1].turn,
+                                                        skipped=carry.log_skipped)
     template = patterns.note if patterns is not None else DEFAULT_NOTE
     d.recalled = list(recalled or [])
     d.note = render_note(d.snapshot, template, carry.max_note_chars, d.recalled)
@@ -295,7 +296,9 @@ def _fold(d: Decision, items: list[Any], patterns: Any) -> Fold:
     prev = view.prev if view is not None else None
     if (prev is not None and prev.fold is not None and prev.fold.p is patterns
             and view is not None and view.known >= prev.start):
-        fold, start = prev.fold.copy(), prev.start
+        # taken over, not copied: this request's entry replaces the previous one (a
+        # concurrent request of the session finds none and folds from the start)
+        fold, start, prev.fold = prev.fold, prev.start, None
     entry = view.entry if view is not None else None
     pause = entry.start if entry is not None and entry.start >= start else None
     turn_of: dict[int, int] = {}
@@ -311,7 +314,7 @@ def _fold(d: Decision, items: list[Any], patterns: Any) -> Fold:
             entry.fold, pause = fold.copy(), None
         fold.add(Message(turn_of[i], wire.item_role(items[i]), wire.item_text(items[i])))
     if pause is not None and entry is not None:
-        entry.fold = fold.copy()
+        entry.fold = fold  # nothing more is folded into it here: the snapshot only reads
     return fold
 
 

@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 WORDS = ["path", "/data/orders", "report.csv", "订单", "汇总", "budget", "ok", "tool", "结果",
-         "the", "cancelled", "error", "上周"]
+         "the", "cancelled", "error", "上周", "it", "that file", "the former", "write to"]
 
 
 @st.composite

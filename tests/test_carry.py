@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gateway.carry import Fold, Message, build_snapshot
@@ -262,34 +262,58 @@ class _ScanAllFold(Fold):
     """The reference: what a deictic looks at, found by scanning every ref seen so far."""
 
     def _types_newest_first(self) -> list[str]:
-        return list(dict.fromkeys(t for t, _ in reversed(self.order)))
+        return list(dict.fromkeys(t for t, _ in reversed(self.refs)))
 
     def _latest(self, rtype: str, n: int) -> list[Any]:
-        return [self.refs[k] for k in self.order if k[0] == rtype][-n:]
+        return [self.refs[k] for k in self.refs if k[0] == rtype][-n:]
+
+    def _carried_refs(self, rules: Any, current_turn: int, out: dict[str, Any],
+                      left_out: list[tuple[str, str]] | None) -> list[Any]:
+        live = set(self.resolved.values())
+        carried = []
+        for ref in self.refs.values():
+            stale = current_turn - ref.last_turn > rules.ref_ttl_turns
+            if rules.no_pending_reference and stale and ref.value not in live and not (
+                    ref.value == self.output_file and "output_file" in out):
+                if left_out is not None:
+                    left_out.append((f"refs.{ref.type}", "no_pending_reference"))
+                continue
+            carried.append(ref)
+        return carried
 
 
 _PIECES = ["/data/a.csv", "/srv/b", "report.json", "notes.md", "yesterday", "2024-05-01",
            "pay 服务", "that file", "that path", "it", "the former", "the latter", "它",
-           "前一个", "后一个", "那个服务", "https://x.io/y", "last week", "and", "ok"]
+           "前一个", "后一个", "那个服务", "https://x.io/y", "last week", "and", "ok",
+           "write to", "summarize", "should I?", "done", "yes"]
 
 
 @given(msgs=st.lists(st.tuples(st.sampled_from(["user", "assistant", "tool"]),
                                st.lists(st.sampled_from(_PIECES), min_size=1, max_size=6)),
-                     max_size=30))
-def test_fold_resolves_deictics_as_a_scan_of_every_ref_would(
-        msgs: list[tuple[str, list[str]]]) -> None:
-    """Per-type indexes of the refs change nothing: the same snapshot, at every step, as
-    the fold that looks through all refs seen so far for each deictic."""
+                     max_size=30),
+       ttl=st.integers(0, 4), later=st.integers(0, 6), pending=st.booleans())
+@example(msgs=[("user", ["summarize", "/data/a.csv", "write to", "report.json"]),
+               ("user", ["that file", "and"]), ("user", ["/srv/b"]), ("user", ["ok", "and"])],
+         ttl=0, later=2, pending=True)  # an old output file and a resolved phrase: still carried
+def test_fold_snapshot_is_the_scan_of_every_ref(
+        msgs: list[tuple[str, list[str]]], ttl: int, later: int, pending: bool) -> None:
+    """Per-type indexes and the fresh-suffix walk change nothing: the same snapshot, at
+    every step (also some turns later), as the fold that scans every ref seen so far —
+    fields and, when asked for, the list of what was left out."""
     from gateway.carry import CarryRules
+    from gateway.carry.snapshot import ALL_FIELDS
 
+    rules = CarryRules(keep_fields=ALL_FIELDS, ref_ttl_turns=ttl, no_pending_reference=pending)
     patterns = RULES.memory.carry_patterns
     fast, slow = Fold(patterns), _ScanAllFold(patterns)
     for turn, (role, words) in enumerate(msgs, start=1):
         m = Message(turn, role, " ".join(words))
         fast.add(m)
         slow.add(m)
-        assert fast.snapshot(CarryRules(), turn) == slow.snapshot(CarryRules(), turn)
-        assert list(fast.order) == list(slow.order)
+        want = slow.snapshot(rules, turn + later)
+        assert fast.snapshot(rules, turn + later) == want
+        assert fast.snapshot(rules, turn + later, skipped=False).fields == want.fields
+        assert list(fast.refs) == list(slow.refs)
         fast = fast.copy()  # checkpoints carry the indexes along
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import functools
 import re
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
+from operator import attrgetter
 from typing import Any
 
 from .rules import CarryPatterns, Deictic
@@ -44,12 +44,15 @@ class Message:
     text: str
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Ref:
+    """Immutable: a mention replaces it, so a checkpoint copies references, not refs."""
+
     type: str
     value: str
     first_turn: int
     last_turn: int
+    seq: int  # the fold's mention count when last mentioned: the mention order
 
 
 @dataclass(slots=True)
@@ -163,12 +166,14 @@ class Fold:
 
     def __init__(self, p: CarryPatterns) -> None:
         self.p = p
+        # (type, value) -> ref, in mention order (a mention moves it to the end): the
+        # turns of the last mentions ascend, so the refs still fresh are a suffix
         self.refs: dict[tuple[str, str], _Ref] = {}
-        self.order: OrderedDict[tuple[str, str], None] = OrderedDict()  # latest last
         # the same order per ref type, and the types by their latest mention: a deictic
         # looks at the last one or two refs of a type, not at every ref seen so far
-        self.by_type: dict[str, OrderedDict[tuple[str, str], None]] = {}
-        self.types: OrderedDict[str, None] = OrderedDict()
+        self.by_type: dict[str, dict[tuple[str, str], None]] = {}
+        self.types: dict[str, None] = {}
+        self.mentions = 0
         self.resolved: dict[str, str] = {}
         self.ambiguous: list[str] = []
         self.dropped_candidates: list[str] = []
@@ -182,11 +187,10 @@ class Fold:
     def copy(self) -> Fold:
         c = Fold.__new__(Fold)
         c.p = self.p
-        c.refs = {k: _Ref(r.type, r.value, r.first_turn, r.last_turn)
-                  for k, r in self.refs.items()}
-        c.order = OrderedDict(self.order)
-        c.by_type = {t: OrderedDict(keys) for t, keys in self.by_type.items()}
-        c.types = OrderedDict(self.types)
+        c.refs = dict(self.refs)
+        c.by_type = {t: dict(keys) for t, keys in self.by_type.items()}
+        c.types = dict(self.types)
+        c.mentions = self.mentions
         c.resolved = dict(self.resolved)
         c.ambiguous = list(self.ambiguous)
         c.dropped_candidates = list(self.dropped_candidates)
@@ -200,25 +204,22 @@ class Fold:
 
     def _mention(self, rtype: str, value: str, turn: int) -> None:
         key = (rtype, value)
-        ref = self.refs.get(key)
-        if ref is None:
-            self.refs[key] = _Ref(rtype, value, turn, turn)
-        else:
-            ref.last_turn = turn
-        self.order[key] = None
-        self.order.move_to_end(key)
+        ref = self.refs.pop(key, None)
+        self.mentions += 1
+        self.refs[key] = _Ref(rtype, value, turn if ref is None else ref.first_turn, turn,
+                              self.mentions)
         same = self.by_type.get(rtype)
         if same is None:
-            same = self.by_type[rtype] = OrderedDict()
+            same = self.by_type[rtype] = {}
+        else:
+            same.pop(key, None)
         same[key] = None
-        same.move_to_end(key)
+        self.types.pop(rtype, None)
         self.types[rtype] = None
-        self.types.move_to_end(rtype)
 
     def _forget(self, ref: _Ref) -> None:
         key = (ref.type, ref.value)
         self.refs.pop(key, None)
-        self.order.pop(key, None)
         same = self.by_type.get(ref.type)
         if same is not None:
             same.pop(key, None)
@@ -294,13 +295,15 @@ class Fold:
                 self.task_state = "closed"
                 self.pending_question = None
 
-    def snapshot(self, rules: CarryRules, current_turn: int) -> Snapshot:
+    def snapshot(self, rules: CarryRules, current_turn: int, skipped: bool = True) -> Snapshot:
+        """The fields later turns still need; `skipped`: also list what was left out and
+        why (one entry per stale ref: the only part that costs what the history holds)."""
         out: dict[str, Any] = {}
-        skipped = list(self.skipped)
+        left_out = list(self.skipped) if skipped else []
         closed = self.task_state == "closed" and self.pending_question is None
         if closed and rules.task_closed:
-            skipped += [(f, "task_closed") for f in ("task_state", "output_file",
-                                                      "confirmed_constraints")]
+            left_out += [(f, "task_closed") for f in ("task_state", "output_file",
+                                                       "confirmed_constraints")]
         else:
             if self.task_state:
                 out["task_state"] = self.task_state
@@ -308,15 +311,8 @@ class Fold:
                 out["output_file"] = self.output_file
             if self.constraints:
                 out["confirmed_constraints"] = list(self.constraints)
-        live = {v for v in self.resolved.values()}
         refs: dict[str, list[str]] = {}
-        for key in self.order:
-            ref = self.refs[key]
-            stale = current_turn - ref.last_turn > rules.ref_ttl_turns
-            if rules.no_pending_reference and stale and ref.value not in live and not (
-                    ref.value == self.output_file and "output_file" in out):
-                skipped.append((f"refs.{ref.type}", "no_pending_reference"))
-                continue
+        for ref in self._carried_refs(rules, current_turn, out, left_out if skipped else None):
             refs.setdefault(ref.type, []).append(ref.value)
         if self.resolved:
             out["resolved_refs"] = dict(self.resolved)
@@ -329,8 +325,41 @@ class Fold:
         if self.ambiguous:
             out["ambiguous"] = list(dict.fromkeys(self.ambiguous))
         kept = {k: v for k, v in out.items() if k in rules.keep_fields}
-        skipped += [(k, "not_in_keep_fields") for k in out if k not in rules.keep_fields]
-        return Snapshot(kept, skipped)
+        if skipped:
+            left_out += [(k, "not_in_keep_fields") for k in out if k not in rules.keep_fields]
+        return Snapshot(kept, left_out)
+
+    def _carried_refs(self, rules: CarryRules, current_turn: int, out: dict[str, Any],
+                      left_out: list[tuple[str, str]] | None) -> list[_Ref]:
+        """The refs the snapshot keeps, in mention order: those mentioned in the last
+        ref_ttl_turns turns (a suffix of the mention order), and older ones a resolved
+        phrase or the output file still points at; `left_out` gets one entry per other."""
+        refs = self.refs
+        if not rules.no_pending_reference:
+            return list(refs.values())
+        oldest = current_turn - rules.ref_ttl_turns  # fresh: last mentioned at or after
+        live = set(self.resolved.values())
+        if self.output_file and "output_file" in out:
+            live.add(self.output_file)
+        if left_out is not None:  # every ref is looked at anyway: one pass in order
+            kept = []
+            for ref in refs.values():
+                if ref.last_turn < oldest and ref.value not in live:
+                    left_out.append((f"refs.{ref.type}", "no_pending_reference"))
+                else:
+                    kept.append(ref)
+            return kept
+        fresh: list[_Ref] = []
+        for key in reversed(refs):
+            ref = refs[key]
+            if ref.last_turn < oldest:
+                break
+            fresh.append(ref)
+        fresh.reverse()
+        older = [refs[k] for k in ((t, v) for t in self.by_type for v in live) if k in refs
+                 and refs[k].last_turn < oldest]
+        older.sort(key=attrgetter("seq"))  # back in mention order
+        return older + fresh
 
 
 def build_snapshot(
