@@ -339,10 +339,15 @@ def _fits(p: Plan, lim: Limits) -> bool:
 
 
 def _current_turn_start(conv: Conversation | None) -> int | None:
+    """The first message of the current turn's groups (groups are in turn order)."""
     if conv is None:
         return None
-    current = [i for g in conv.groups if g.turn == conv.n_turns for i in g.indices]
-    return min(current) if current else None
+    start = None
+    for g in reversed(conv.groups):
+        if g.turn != conv.n_turns:
+            break
+        start = g.indices[0] if start is None else min(start, g.indices[0])
+    return start
 
 
 def _end_of_stable_prefix(conv: Conversation, p: Plan) -> int | None:

@@ -129,6 +129,8 @@ class _State:
     max_chars: int = _NO_LIMIT
     max_messages: int = _NO_LIMIT
     first_current: int = 0  # the first group of the current turn
+    # (k, stage): groups[:k] all dropped by `stage` in one stroke (the recent-turns cap)
+    dropped_prefix: tuple[int, str] = (0, "")
     turn_costs: dict[int, Cost] = field(default_factory=dict)  # cost of a turn's open groups
 
     def tokens(self, g: int) -> int:
@@ -276,6 +278,7 @@ def keep_recent_turns(st: _State) -> None:
         decision[:k] = [mark if d is None else d for d in decision[:k]]
     else:
         decision[:k] = [mark] * k
+        st.dropped_prefix = (k, "recent_turns")
 
 
 def fit_length_budget(st: _State) -> None:
@@ -499,7 +502,11 @@ def plan(
     kept_groups: list[int] = []
     runs: list[tuple[int, int, str]] = []  # dropped groups [first, end) by one stage
     run_start, run_mark = 0, None
-    for g, d in enumerate(st.decision):
+    skip, stage = st.dropped_prefix
+    if skip:  # a long dropped prefix is one run, not a walk over its groups
+        run_mark = _DROP_MARKS[stage]
+    for g in range(skip, len(groups)):
+        d = st.decision[g]
         if d is not run_mark:
             if run_mark is not None:
                 runs.append((run_start, g, run_mark[1]))

@@ -214,7 +214,8 @@ def main() -> None:
                 + f" | {on_l / pt_l:>9.2f} {on_r / pt_r:>10.2f} {on_c / pt_c:>10.2f}"
                   f" {row['memgate-off'][0] / pt_l:>11.2f}")
         print("\ngrowing session, warm: CPU per request, each request = the previous history"
-              " + one turn (5 warm-up requests, then 100 measured)")
+              " + one turn (5 warm-up requests, then 100 measured); every user turn names a"
+              " file of its own, as an agent's do")
         for turns in (10, 100, 1000):
             cpu = []
             for name in ("passthrough", "memgate-on"):
@@ -225,13 +226,15 @@ def main() -> None:
                                turns: int = turns) -> None:
                     async with aiohttp.ClientSession() as s:
                         for k in range(n):
-                            h += [{"role": "user", "content": f"step {k}"},
+                            h += [{"role": "user", "content": f"step {k}: /src/new{k}/m.py"},
                                   {"role": "assistant", "content": f"done {k}"}]
                             async with s.post(u, data=body(h), headers={
                                     "X-Session-Id": f"grow-{turns}"}) as r:
                                 await r.read()
 
-                h = history(turns * 2, seed=turns)
+                h = [dict(m, content=f"{m['content']} /src/m{i}/f{i}.py")
+                     if m["role"] == "user" else m for i, m in enumerate(history(turns * 2,
+                                                                                 seed=turns))]
                 asyncio.run(grow(h, 5))
                 c0 = proc.cpu_s()
                 asyncio.run(grow(h, 100))
