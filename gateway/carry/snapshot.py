@@ -175,8 +175,9 @@ class Fold:
         self.types: dict[str, None] = {}
         self.mentions = 0
         self.resolved: dict[str, str] = {}
-        self.ambiguous: list[str] = []
-        self.dropped_candidates: list[str] = []
+        # ordered sets: a long session repeats the same phrases and values
+        self.ambiguous: dict[str, None] = {}
+        self.dropped_candidates: dict[str, None] = {}
         self.task_state: str | None = None
         self.pending_question: str | None = None
         self.constraints: list[str] = []
@@ -192,8 +193,8 @@ class Fold:
         c.types = dict(self.types)
         c.mentions = self.mentions
         c.resolved = dict(self.resolved)
-        c.ambiguous = list(self.ambiguous)
-        c.dropped_candidates = list(self.dropped_candidates)
+        c.ambiguous = dict(self.ambiguous)
+        c.dropped_candidates = dict(self.dropped_candidates)
         c.task_state = self.task_state
         c.pending_question = self.pending_question
         c.constraints = list(self.constraints)
@@ -255,12 +256,12 @@ class Fold:
                 self.resolved[phrase] = chosen.value
                 self._mention(chosen.type, chosen.value, turn)
                 if other is not None:  # the unchosen candidate: keep only its identifier
-                    self.dropped_candidates.append(other.value)
+                    self.dropped_candidates[other.value] = None
                     self._forget(other)
                 return True
             if d.type != "any":
                 break
-        self.ambiguous.append(phrase)
+        self.ambiguous[phrase] = None
         return False
 
     def add(self, m: Message) -> None:
@@ -321,9 +322,9 @@ class Fold:
         if self.tool_results:
             out["tool_results"] = list(self.tool_results)
         if self.dropped_candidates:
-            out["dropped_candidates"] = list(dict.fromkeys(self.dropped_candidates))
+            out["dropped_candidates"] = list(self.dropped_candidates)
         if self.ambiguous:
-            out["ambiguous"] = list(dict.fromkeys(self.ambiguous))
+            out["ambiguous"] = list(self.ambiguous)
         kept = {k: v for k, v in out.items() if k in rules.keep_fields}
         if skipped:
             left_out += [(k, "not_in_keep_fields") for k in out if k not in rules.keep_fields]
