@@ -245,7 +245,7 @@ def decide(
             marker_at = _end_of_stable_prefix(d.conv, d.plan)
             d.cache_marker_moved = marker_at is not None
         d.forward = wire.build_body(payload, list(d.plan.kept), marker_at, d.note,
-                                    _current_turn_start(d.conv) if d.note else None)
+                                    current_turn_start(d.conv) if d.note else None)
     elif d.conv.has_metadata:
         # gateway metadata is ours: upstreams never see it, whatever the mode
         d.forward = wire.build_body(payload, list(range(len(items))))
@@ -338,7 +338,7 @@ def _fits(p: Plan, lim: Limits) -> bool:
     )
 
 
-def _current_turn_start(conv: Conversation | None) -> int | None:
+def current_turn_start(conv: Conversation | None) -> int | None:
     """The first message of the current turn's groups (groups are in turn order)."""
     if conv is None:
         return None
@@ -352,7 +352,7 @@ def _current_turn_start(conv: Conversation | None) -> int | None:
 
 def _end_of_stable_prefix(conv: Conversation, p: Plan) -> int | None:
     """The last kept item before the current turn: the end of what stays identical."""
-    start = _current_turn_start(conv)
+    start = current_turn_start(conv)
     start = conv.n_messages if start is None else start
     before = [i for i in p.kept if i < start]
     return before[-1] if before else None

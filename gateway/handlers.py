@@ -292,8 +292,14 @@ async def _log_mem(
     if (d is not None and d.plan is not None and d.mode == "on"
             and state.rules.store.archive != "off" and state.memory is not None):
         agent = request.headers.get("X-Agent-Id", "") or "default"
-        fields["archived"] = state.memory.archive(
-            archive_records(d, tenant, session, agent, state.rules.store))
+        # turns starting before `since` were archived by the session's earlier requests
+        # (the history cache knows their first messages are unchanged): not built again
+        entry = d.view.entry if d.view is not None else None
+        since = entry.archived_upto if entry is not None else 0
+        records, upto = archive_records(d, tenant, session, agent, state.rules.store, since)
+        fields["archived"] = queued = state.memory.archive(records)
+        if entry is not None and queued == len(records):
+            entry.archived_upto = upto  # a full queue dropped them: all again next time
     if d is not None and d.note is not None and d.snapshot is not None:
         fields["carried"] = d.snapshot.count
         await state.sessions.put_snapshot(tenant, session, d.snapshot.fields)

@@ -43,6 +43,7 @@ class Entry:
     tokens: list[int] = field(default_factory=list)  # per item, -1 = not counted
     token_key: tuple[int, float] = (0, 1.0)  # (id of the counter, token factor)
     fold: Fold | None = None  # carry-over fold after items[:start] (grouped messages)
+    archived_upto: int = 0  # the complete turns starting before this item are archived
     # where the next body's new bytes may start: this request's record once made
     # (after the response), until then the one the previous entry had
     reuse: Reuse | None = None
@@ -194,6 +195,8 @@ class HistoryCache:
         # what the entry keeps alive: the parsed items and the head's per-message
         # bookkeeping (measured: about 3x the request's bytes in all, soak.py)
         entry = Entry(rules, wire, items, head, start, 3 * size + 384 * len(items))
+        if prev is not None:  # turns whose first message is unchanged stay archived
+            entry.archived_upto = min(prev.archived_upto, known)
         if old is not None and old.reuse is not None and old.wire is wire:
             # a record stays valid for the bodies it matches: keep it until this
             # request's own is made (concurrent requests of a session need one)

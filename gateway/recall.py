@@ -9,11 +9,12 @@ dropping (a client's first long request has nothing archived yet).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 from dataclasses import dataclass
 
-from .chat import Decision
+from .chat import Decision, current_turn_start
 from .state import fingerprint
 from .store import Store, StoreRules
 from .store.model import Filter, Record, build_record, format_ts, index_text, now_us, query_terms
@@ -34,36 +35,51 @@ class TurnText:
         return f"{self.user}\n{self.assistant}".strip()
 
 
-def turns_of(d: Decision) -> list[TurnText]:
-    """The complete turns before the current one, with their text and fate."""
-    if d.conv is None:
+def turns_of(d: Decision, since: int = 0) -> list[TurnText]:
+    """The complete turns before the current one that start at message `since` or
+    later, with their text and fate (groups before that are not looked at)."""
+    conv = d.conv
+    if conv is None:
         return []
-    dropped = {i for i, _ in d.plan.dropped} if d.plan is not None else set()
+    groups = conv.groups
+    g0 = bisect.bisect_left(groups, since, key=lambda grp: grp.indices[0])
+    started_before = groups[g0 - 1].turn if 0 < g0 < len(groups) else None
+    dropped = d.plan.dropped if d.plan is not None else None
     by_turn: dict[int, list[int]] = {}
-    for g in d.conv.groups:
-        if 0 < g.turn < d.conv.n_turns:
-            by_turn.setdefault(g.turn, []).extend(g.indices)
+    gone: dict[int, bool] = {}
+    for g in range(g0, len(groups)):
+        grp = groups[g]
+        if not 0 < grp.turn < conv.n_turns or grp.turn == started_before:
+            continue
+        by_turn.setdefault(grp.turn, []).extend(grp.indices)
+        gone[grp.turn] = gone.get(grp.turn, True) and dropped is not None and dropped.covers(g)
     out = []
-    for turn, idx in sorted(by_turn.items()):
-        idx.sort()
+    for turn, idx in by_turn.items():  # turns in order: groups are
         items = [d.messages[i] for i in idx]
         roles = [d.wire.item_role(m) for m in items]
         user = "\n".join(d.wire.item_text(m) for m, r in zip(items, roles, strict=True)
                          if r == "user")
         assistant = "\n".join(d.wire.item_text(m) for m, r in zip(items, roles, strict=True)
                               if r == "assistant")
-        out.append(TurnText(turn, idx[0], user, assistant, all(i in dropped for i in idx)))
+        out.append(TurnText(turn, idx[0], user, assistant, gone[turn]))
     return out
 
 
 def archive_records(
-    d: Decision, tenant: str, session: str, agent: str, rules: StoreRules
-) -> list[Record]:
+    d: Decision, tenant: str, session: str, agent: str, rules: StoreRules, since: int = 0
+) -> tuple[list[Record], int]:
+    """Records for the complete turns from message `since` on that `rules.archive` asks
+    for, and where the next request of the session may start: every complete turn
+    before that point is in these records or was in the session's earlier ones."""
     which = rules.archive
     out = []
     now = now_us()
-    for t in turns_of(d):
+    upto: int | None = None  # the first turn left for later (kept, under `evicted`)
+    turns = turns_of(d, since)
+    for t in turns:
         if which == "evicted" and not t.dropped:
+            if upto is None:
+                upto = t.first
             continue
         if not t.text:
             continue
@@ -75,7 +91,10 @@ def archive_records(
              "turn_id": str(t.turn), "ts": format_ts(now), "user_text": t.user,
              "assistant_text": t.assistant, "tags": ["archived"]},
             tenant, rules))
-    return out
+    if upto is None:  # every complete turn is done: the next one to look at is the current
+        cur = current_turn_start(d.conv)
+        upto = max(since, cur if cur is not None else len(d.messages))
+    return out, upto
 
 
 def _score(terms: set[str], text: str) -> float:

@@ -182,3 +182,70 @@ def test_growing_session_resumes_checkpoints_exactly(low_water: float) -> None:
         assert cached == decided(raw, rules, OPENAI_CHAT, None)
         cuts.add(cached[1].kept[1])  # the first kept message after the system prompt
     assert len(cuts) >= 4  # the cut moved: checkpoints beyond the first were used
+
+
+@given(s=session(), memory=memory_rules(), which=st.sampled_from(["evicted", "all"]))
+@settings()
+def test_archiving_from_where_the_session_left_off_archives_the_same_turns(
+        s: tuple[str, list[bytes]], memory: dict[str, Any], which: str) -> None:
+    """A request archives only the turns from its entry's mark on (the ones before were
+    archived by the session's earlier requests); after every request the session has
+    archived exactly the turns that looking at every turn every time would have."""
+    import dataclasses
+
+    from gateway.recall import archive_records
+
+    name, bodies = s
+    wire, _ = WIRES[name]
+    rules = make_rules({**memory, "enable_eviction": True})
+    store = dataclasses.replace(rules.store, archive=which)
+    cache = HistoryCache(1 << 24, 100)
+    every, marked = set(), set()
+    for raw in bodies:
+        try:
+            d = decide(raw, orjson.loads(raw), rules, TOK, wire, history=cache,
+                       key=("tenant", "s1"))
+        except GatewayError:
+            continue
+        if d.plan is None:
+            continue
+        every |= {r.memory_id for r in archive_records(d, "t", "s1", "a", store)[0]}
+        entry = d.view.entry if d.view is not None else None
+        since = entry.archived_upto if entry is not None else 0
+        records, upto = archive_records(d, "t", "s1", "a", store, since)
+        marked |= {r.memory_id for r in records}
+        if entry is not None:
+            entry.archived_upto = upto
+        assert marked == every
+
+
+def test_an_edited_old_turn_is_archived_again() -> None:
+    """The mark only covers turns whose first message the client resent unchanged: after
+    an edited old user message the session's history is looked at from the start again
+    (and the edited turn is a new record); an unchanged resend archives nothing."""
+    import dataclasses
+
+    from gateway.recall import archive_records
+
+    rules = make_rules({"enable_eviction": True})
+    store = dataclasses.replace(rules.store, archive="all")
+    cache = HistoryCache(1 << 24, 100)
+    msgs: list[dict[str, Any]] = []
+    for t in range(6):
+        msgs += [{"role": "user", "content": f"question {t}"},
+                 {"role": "assistant", "content": f"answer {t}"}]
+    archived = []
+    edited = [msgs[0], msgs[1], {"role": "user", "content": "question 1, edited"}, *msgs[3:]]
+    for body in (msgs + [{"role": "user", "content": "q"}],
+                 msgs + [{"role": "user", "content": "q2"}],
+                 edited + [{"role": "user", "content": "q"}]):
+        raw = orjson.dumps({"model": "gpt-4o-mini", "messages": body})
+        d = decide(raw, orjson.loads(raw), rules, TOK, OPENAI_CHAT, history=cache,
+                   key=("tenant", "s1"))
+        assert d.view is not None and d.view.entry is not None
+        records, d.view.entry.archived_upto = archive_records(
+            d, "t", "s1", "a", store, d.view.entry.archived_upto)
+        archived.append(sorted(r.fields["user_text"] for r in records))
+    assert archived[0] == [f"question {t}" for t in range(6)]
+    assert archived[1] == []  # the same turns again: all archived already
+    assert "question 1, edited" in archived[2]

@@ -59,6 +59,12 @@ class Dropped(Sequence[tuple[int, str]]):
                                 for g in range(a, b) for i in groups[g].indices)
         return self._items
 
+    def covers(self, g: int) -> bool:
+        """Was group g dropped? (a binary search over the runs, nothing listed)"""
+        runs = self._runs
+        k = bisect.bisect_right(runs, g, key=lambda r: r[0]) - 1
+        return k >= 0 and g < runs[k][1]
+
     def __len__(self) -> int:
         return self._n
 
