@@ -215,8 +215,9 @@ def decide(
     if d.mode != "off" and d.skip_reason is None:
         prules = plan_rules(rules, d.budget_tokens)
         overhead = d.overhead_tokens() if d.budget_tokens is not None else 0
+        key = (d.counter, d.token_factor)
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
-                      tokens_upper_bound=_bytes_bound(raw, d))
+                      tokens_upper_bound=_bytes_bound(raw, d), tokens_key=key)
         if d.mode == "on" and (d.plan.dropped or recalled) and _carry_note(
                 d, rules, items, recalled):
             # the note is counted into the budget: plan again unless it fits the slack
@@ -224,7 +225,8 @@ def decide(
             assert d.note is not None
             narrower = _minus_note(prules, d)
             if not _fits(d.plan, narrower.limits):
-                d.plan = plan(d.conv, narrower, d.message_tokens, overhead_tokens=overhead)
+                d.plan = plan(d.conv, narrower, d.message_tokens, overhead_tokens=overhead,
+                              tokens_key=key)
         if (
             d.mode == "on"
             and d.plan.over_budget

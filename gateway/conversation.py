@@ -49,6 +49,11 @@ class Group:
     chars: int = 0
     weight: int = 0  # approx tokens, no tokenizer (places stepped cuts)
     pins: list[tuple[int, Pin]] = field(default_factory=list)  # (message index, pin)
+    # the planner's token sum of the group's messages, valid for `tokens_key` (the
+    # counter and scale it was counted with): a session's unchanged groups are the same
+    # objects request after request (history.join), so they are summed once
+    tokens: int = field(default=-1, compare=False, repr=False)
+    tokens_key: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)

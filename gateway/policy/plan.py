@@ -138,11 +138,21 @@ class _State:
     # (k, stage): groups[:k] all dropped by `stage` in one stroke (the recent-turns cap)
     dropped_prefix: tuple[int, str] = (0, "")
     turn_costs: dict[int, Cost] = field(default_factory=dict)  # cost of a turn's open groups
+    tokens_key: Any = None  # see plan()
 
     def tokens(self, g: int) -> int:
         n = self.group_tokens[g]
         if n < 0:
-            n = sum(map(self.tokens_of, self.conv.groups[g].indices)) if self.count_tokens else 0
+            if not self.count_tokens:
+                n = 0
+            else:
+                grp, key = self.conv.groups[g], self.tokens_key
+                if key is not None and grp.tokens_key == key:
+                    n = grp.tokens
+                else:
+                    n = sum(map(self.tokens_of, grp.indices))
+                    if key is not None:
+                        grp.tokens, grp.tokens_key = n, key
             self.group_tokens[g] = n
         return n
 
@@ -457,6 +467,7 @@ def plan(
     tokens_of: Callable[[int], int],
     overhead_tokens: int = 0,
     tokens_upper_bound: int | None = None,
+    tokens_key: Any = None,
 ) -> Plan:
     """Decide which messages to keep.
 
@@ -464,6 +475,8 @@ def plan(
     pays besides messages (priming, tool schemas). `tokens_upper_bound`, when
     given, is a cheap bound on the total (e.g. the body size in bytes): if it and
     the other measures already fit, nothing is tokenized and nothing dropped.
+    `tokens_key`, when given, names what `tokens_of` counts with (same key, same counts
+    for the same messages): group sums are then kept on the groups for the next plan.
     """
     lim = rules.limits
     groups = conv.groups
@@ -488,6 +501,7 @@ def plan(
         max_tokens=_NO_LIMIT if lim.max_tokens is None else lim.max_tokens,
         max_chars=_NO_LIMIT if lim.max_chars is None else lim.max_chars,
         max_messages=_NO_LIMIT if lim.max_messages is None else lim.max_messages,
+        tokens_key=tokens_key,
     )
     # system/developer and the current turn are not subject to eviction
     st.messages_used = len(conv.fixed)
