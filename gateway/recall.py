@@ -75,8 +75,7 @@ def archive_records(
     out = []
     now = now_us()
     upto: int | None = None  # the first turn left for later (kept, under `evicted`)
-    turns = turns_of(d, since)
-    for t in turns:
+    for t in turns_of(d, since):
         if which == "evicted" and not t.dropped:
             if upto is None:
                 upto = t.first
