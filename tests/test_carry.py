@@ -329,3 +329,11 @@ def test_shipped_it_deictic_is_the_word_boundary_form(text: str) -> None:
     reference = re.compile(r"(?<![\w])它(?![\w])|\bit\b", flags)
     assert ([m.span() for m in shipped[0].finditer(text)]
             == [m.span() for m in reference.finditer(text)])
+
+
+@given(text=st.text(alphabet=" \t\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029\u3000ab", max_size=30))
+def test_first_line_is_the_stripped_texts_first_line(text: str) -> None:
+    """A tool result is remembered by its first line: the definition, without the copies."""
+    from gateway.carry.snapshot import _first_line
+
+    assert _first_line(text) == (text.strip().splitlines()[0] if text.strip() else None)

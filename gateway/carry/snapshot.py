@@ -85,6 +85,21 @@ def _sentences_with_question(text: str) -> str:
 
 
 _CLAUSE_END = re.compile(r"[，,。；;.!！]")
+_NOT_SPACE = re.compile(r"\S")
+_LINE_END = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")  # str.splitlines'
+
+
+def _first_line(text: str) -> str | None:
+    """text.strip().splitlines()[0] (None for a blank text) without copying or splitting
+    the rest of a long tool result."""
+    start = _NOT_SPACE.search(text)
+    if start is None:
+        return None
+    a = start.start()
+    end = _LINE_END.search(text, a)
+    if end is None or _NOT_SPACE.search(text, end.start()) is None:  # one line, once stripped
+        return text[a:].rstrip()
+    return text[a:end.start()]
 
 
 def _first_clause(text: str) -> str:
@@ -267,8 +282,9 @@ class Fold:
     def add(self, m: Message) -> None:
         text = m.text
         if m.role == "tool":
-            if text.strip():
-                self.tool_results = [*self.tool_results[-2:], text.strip().splitlines()[0][:160]]
+            first = _first_line(text)
+            if first is not None:
+                self.tool_results = [*self.tool_results[-2:], first[:160]]
             return
         x = _extract(self.p, m.role, text)
         if x.small_talk:
