@@ -10,6 +10,7 @@ dropping (a client's first long request has nothing archived yet).
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -96,8 +97,15 @@ def archive_records(
     return out, upto
 
 
+@functools.lru_cache(maxsize=2048)
+def _words(text: str) -> frozenset[str]:
+    """A candidate's indexed words: a session's dropped turns are ranked again on every
+    request, and indexing is most of the ranking (bounded: 2,048 texts, a few KB each)."""
+    return frozenset(index_text(text).split())
+
+
 def _score(terms: set[str], text: str) -> float:
-    words = set(index_text(text).split())
+    words = _words(text)
     hits = len(terms & words)
     return hits / math.sqrt(len(words) + 1) if hits else 0.0
 
