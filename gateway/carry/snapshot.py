@@ -184,10 +184,9 @@ class Fold:
         # (type, value) -> ref, in mention order (a mention moves it to the end): the
         # turns of the last mentions ascend, so the refs still fresh are a suffix
         self.refs: dict[tuple[str, str], _Ref] = {}
-        # the same order per ref type, and the types by their latest mention: a deictic
-        # looks at the last one or two refs of a type, not at every ref seen so far
+        # the same order per ref type, the types themselves by their latest mention: a
+        # deictic looks at the last one or two refs of a type, not at every ref seen so far
         self.by_type: dict[str, dict[tuple[str, str], None]] = {}
-        self.types: dict[str, None] = {}
         self.mentions = 0
         self.resolved: dict[str, str] = {}
         # ordered sets: a long session repeats the same phrases and values
@@ -205,7 +204,6 @@ class Fold:
         c.p = self.p
         c.refs = dict(self.refs)
         c.by_type = {t: dict(keys) for t, keys in self.by_type.items()}
-        c.types = dict(self.types)
         c.mentions = self.mentions
         c.resolved = dict(self.resolved)
         c.ambiguous = dict(self.ambiguous)
@@ -224,14 +222,13 @@ class Fold:
         self.mentions += 1
         self.refs[key] = _Ref(rtype, value, turn if ref is None else ref.first_turn, turn,
                               self.mentions)
-        same = self.by_type.get(rtype)
+        same = self.by_type.pop(rtype, None)  # re-added last: the latest mentioned type
         if same is None:
-            same = self.by_type[rtype] = {}
+            same = {}
         else:
             same.pop(key, None)
         same[key] = None
-        self.types.pop(rtype, None)
-        self.types[rtype] = None
+        self.by_type[rtype] = same
 
     def _forget(self, ref: _Ref) -> None:
         key = (ref.type, ref.value)
@@ -241,7 +238,6 @@ class Fold:
             same.pop(key, None)
             if not same:
                 del self.by_type[ref.type]
-                self.types.pop(ref.type, None)
 
     def _latest(self, rtype: str, n: int) -> list[_Ref]:
         """The last n refs of a type (fewer if there are not so many), oldest first."""
@@ -254,7 +250,7 @@ class Fold:
 
     def _types_newest_first(self) -> list[str]:
         """The ref types by their latest mention, newest first."""
-        return list(reversed(self.types))
+        return list(reversed(self.by_type))
 
     def _resolve(self, d: Deictic, phrase: str, turn: int) -> bool:
         types = [d.type] if d.type != "any" else self._types_newest_first()

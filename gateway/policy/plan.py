@@ -114,6 +114,14 @@ def _dominant_stage(counts: dict[str, int]) -> str:
 
 _NO_LIMIT = 1 << 62
 _DROP_MARKS: dict[str, tuple[str, str]] = {}  # stage -> its decision mark
+
+
+def _drop_mark(stage: str) -> tuple[str, str]:
+    """One mark object per stage: the plan finds runs of drops by identity."""
+    mark = _DROP_MARKS.get(stage)
+    if mark is None:
+        mark = _DROP_MARKS[stage] = (DROP, stage)
+    return mark
 Cost = tuple[int, int, int]  # tokens, chars, messages
 
 
@@ -194,8 +202,8 @@ class _State:
         self.messages_used += m
 
     def drop(self, g: int, stage: str) -> None:
-        if self.decision[g] is None:  # one mark per stage: the plan lists runs of them
-            self.decision[g] = _DROP_MARKS.get(stage) or _DROP_MARKS.setdefault(stage, (DROP, stage))
+        if self.decision[g] is None:
+            self.decision[g] = _drop_mark(stage)
 
     def anchor(self, g: int) -> int | None:
         """The first user group of g's turn (None: the turn has none), found in the
@@ -288,8 +296,7 @@ def keep_recent_turns(st: _State) -> None:
     decision = st.decision
     # groups are in turn order: the first k are the turns the cap drops
     k = bisect.bisect_left(st.conv.groups, oldest_allowed, key=lambda grp: grp.turn)
-    mark = _DROP_MARKS.get("recent_turns") or _DROP_MARKS.setdefault(
-        "recent_turns", (DROP, "recent_turns"))
+    mark = _drop_mark("recent_turns")
     if any(decision[:k]):  # some kept by an earlier stage (pins)
         decision[:k] = [mark if d is None else d for d in decision[:k]]
     else:
@@ -524,7 +531,7 @@ def plan(
     run_start, run_mark = 0, None
     skip, stage = st.dropped_prefix
     if skip:  # a long dropped prefix is one run, not a walk over its groups
-        run_mark = _DROP_MARKS[stage]
+        run_mark = _drop_mark(stage)
     for g in range(skip, len(groups)):
         d = st.decision[g]
         if d is not run_mark:
