@@ -139,12 +139,22 @@ class HistoryCache:
         """After a request: note where its last item starts in `raw`, so the session's
         next body can be spliced there (scanning only the new items when this one was)."""
         e = self._entries.get(key)
-        if (e is None or e.items is not items
-                or (e.reuse is not None and e.reuse.payload is payload)):
-            return  # a newer request of the session owns the entry, or this one is done
+        if e is None or (e.reuse is not None and e.reuse.payload is payload):
+            return  # the session is gone, or this request's record is made
+        # A newer request of the session owns the entry (concurrent requests: under load
+        # there always is one). A record matches any body starting with its bytes, so
+        # ours still serves the session unless the entry holds one reaching as far.
+        newer = e.items is not items
+        if newer and (len(raw) < SPLICE_MIN_BYTES or not isinstance(payload, dict)
+                      or e.wire.items(payload) is not items
+                      or (e.reuse is not None and _reaches(e.reuse.rec, raw, items))):
+            return
         rec = None
         if len(raw) >= SPLICE_MIN_BYTES and isinstance(payload, dict):
             rec = splice.make(raw, e.wire.items_key, payload, src)
+        if newer and (rec is None or (e.reuse is not None
+                                      and len(e.reuse.rec.prefix) >= len(rec.prefix))):
+            return
         old = len(e.reuse.rec.prefix) if e.reuse is not None else 0
         # no record of its own: drop the inherited one too (it holds an older parse)
         e.reuse = Reuse(rec, payload) if rec is not None else None
@@ -221,6 +231,12 @@ class HistoryCache:
         ):
             _, gone = self._entries.popitem(last=False)
             self.bytes -= gone.size
+
+
+def _reaches(rec: splice.Splice, raw: bytes, items: list[Any]) -> bool:
+    """Does `rec` splice `raw` as far as a record made from `raw` would (up to its last
+    item), or further?"""
+    return rec.count >= len(items) - 1 and raw.startswith(rec.prefix)
 
 
 def _known(prev: Entry | None, items: list[Any], start: int | None) -> int:

@@ -68,6 +68,8 @@ class Upstream:
 
     server: TestServer
     received: list[dict[str, Any]] = field(default_factory=list)
+    # a body containing one of these bytes is answered only once its event is set
+    holds: dict[bytes, asyncio.Event] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -166,8 +168,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 async def upstream(aiohttp_server: Any) -> Upstream:
     """Recording OpenAI-like upstream; tests may add routes via `extra_routes`."""
     rec = Upstream(server=None)  # type: ignore[arg-type]
-    gate = asyncio.Event()
-    gate.set()
 
     async def record(request: web.Request) -> bytes:
         raw = await request.read()
@@ -175,6 +175,9 @@ async def upstream(aiohttp_server: Any) -> Upstream:
             "method": request.method, "path": request.path_qs, "raw": raw,
             "headers": request.headers.copy(),
         })
+        for tag, released in rec.holds.items():
+            if tag in raw:
+                await released.wait()
         return raw
 
     async def chat(request: web.Request) -> web.StreamResponse:

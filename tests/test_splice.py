@@ -5,6 +5,7 @@ and arbitrary bytes after the reused prefix."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -185,3 +186,56 @@ def test_small_body_drops_the_inherited_record() -> None:
         (entry,) = cache._entries.values()
         assert (entry.reuse is not None) == (len(raw) >= 16 << 10)
         assert cache.bytes == entry.size
+
+
+async def test_overlapping_requests_of_a_session_still_leave_a_record(
+    gateway: Any, upstream: Any
+) -> None:
+    """Under load a newer request of the session is in flight whenever one finishes: the
+    finished request's record must still serve the session's next body (it used to be
+    dropped because the entry was no longer its own, so no body was ever spliced)."""
+    from .test_proxy import post_raw
+
+    gw = await gateway(memory={"enable_eviction": True, "shadow": False,
+                               "budget": {"max_tokens": 3000, "max_chars": None}})
+    msgs = [{"role": "user", "content": f"turn {t}: read /data/f{t}.csv " + "订单 " * 1500}
+            for t in range(3)]
+
+    def body(tag: str) -> bytes:
+        return json.dumps({"model": "gpt-4o-mini",
+                           "messages": [*msgs, {"role": "user", "content": tag}]}).encode()
+
+    async def until(n: int) -> None:
+        for _ in range(500):
+            if len(upstream.received) >= n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"upstream got {len(upstream.received)} requests, not {n}")
+
+    upstream.holds = {b"first": asyncio.Event(), b"second": asyncio.Event()}
+    hdrs = {"X-Session-Id": "overlap"}
+    first = asyncio.create_task(post_raw(gw, body("first"), headers=hdrs))
+    second = None
+    try:
+        await until(1)  # parsed and forwarded, answer held
+        second = asyncio.create_task(post_raw(gw, body("second"), headers=hdrs))
+        await until(2)  # the session's entry is the second request's now
+        upstream.holds[b"first"].set()
+        assert (await first)[0] == 200
+        await gw.wait_mem(1)
+        before = gw.state.history.spliced
+        status, _, _ = await post_raw(gw, body("third"), headers=hdrs)  # second still held
+        assert status == 200
+        assert gw.state.history.spliced == before + 1
+        want = decide(body("third"), orjson.loads(body("third")),
+                      make_rules({"enable_eviction": True, "shadow": False,
+                                  "budget": {"max_tokens": 3000, "max_chars": None}}),
+                      TOK, OPENAI_CHAT).forward
+        assert upstream.received[-1]["raw"] == want
+    finally:
+        for released in upstream.holds.values():
+            released.set()
+    assert second is not None and (await second)[0] == 200
+    await gw.wait_mem(3)
+    cache = gw.state.history
+    assert cache.bytes == sum(e.size for e in cache._entries.values())
