@@ -124,10 +124,25 @@ class Decision:
     def all_message_tokens(self) -> int:
         counts = self._msg_tokens
         if counts is None or min(counts, default=0) < 0:  # count what is missing first
-            for i in range(len(self.messages)):
+            counts = self._inherit_counts()
+            for i in [i for i, n in enumerate(counts) if n < 0]:
                 self.message_tokens(i)
-            counts = self._msg_tokens
-        return sum(counts) if counts is not None else 0
+        return sum(counts)
+
+    def _inherit_counts(self) -> list[int]:
+        """This request's counts, with the unchanged items' gaps filled from the
+        session's previous request: it may have counted them since this one started
+        (concurrent requests of a session: each counts what its plan skipped)."""
+        counts = self._msg_tokens
+        if counts is None:
+            counts = self._msg_tokens = [-1] * len(self.messages)
+        view = self.view
+        prev = view.prev if view is not None else None
+        if (prev is not None and view is not None and 0 < view.known <= len(prev.tokens)
+                and prev.token_key == (self.counter, self.token_factor)):
+            known, theirs = view.known, prev.tokens
+            counts[:known] = [n if n >= 0 else m for n, m in zip(counts[:known], theirs)]
+        return counts
 
 
 def budget_tokens(rules: Rules, payload: dict[str, Any], model: str | None) -> int | None:
