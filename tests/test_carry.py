@@ -317,6 +317,21 @@ def test_fold_snapshot_is_the_scan_of_every_ref(
         fast = fast.copy()  # checkpoints carry the indexes along
 
 
+def test_a_phrase_in_two_cases_is_one_resolved_ref() -> None:
+    """English sentences start with "It" as often as they say "it": the patterns match
+    either case, and the note names the phrase once (it carried both spellings)."""
+    from gateway.carry import CarryRules
+    from gateway.carry.snapshot import ALL_FIELDS
+
+    fold = Fold(RULES.memory.carry_patterns)
+    for turn, text in enumerate(["Summarize /data/orders.csv please",
+                                 "It has a header row; check it again",
+                                 "That Path is fine, keep that path"], start=1):
+        fold.add(Message(turn, "user", text))
+    snap = fold.snapshot(CarryRules(keep_fields=ALL_FIELDS), 3).fields
+    assert snap["resolved_refs"] == {"it": "/data/orders.csv", "that path": "/data/orders.csv"}
+
+
 @given(text=st.lists(st.sampled_from([*_TRICKY, "它", "其它", "它们", " ", "bit", "it's", "_it",
                                       "IT", "Iterate", "\n"]), max_size=30).map("".join))
 def test_shipped_it_deictic_is_the_word_boundary_form(text: str) -> None:

@@ -163,7 +163,11 @@ def _extract_cached(role: str, text: str) -> _Extract:
 
     return _Extract(
         small_talk=user and may(p.small_talk, mask) and p.small_talk.match(text) is not None,
-        deictics=tuple((k, m.group(0)) for k, d in enumerate(p.deictics)
+        # a phrase the pattern matches in any case is one phrase ("It" at a sentence's
+        # start is "it"): one entry in the note, not one per spelling
+        deictics=tuple((k, m.group(0).lower() if d.pattern.flags & re.IGNORECASE
+                        else m.group(0))
+                       for k, d in enumerate(p.deictics)
                        if may(d.pattern, mask) for m in d.pattern.finditer(text)) if user else (),
         refs=tuple(_refs_in(p, text, mask)),
         create=user and search(p.create),
