@@ -133,6 +133,10 @@ def test_pinned_kept_up_to_max_pinned(msgs: list[dict[str, Any]], memory: dict[s
     ]
     lost = [i for i in active if i not in d.plan.kept]
     assert len(lost) <= d.plan.pinned_overflow
+    # `pinned` counts the active pins the forwarded history holds (the current turn too)
+    held = [i for g in conv.groups for i, pin in g.pins
+            if is_active(pin, g.turn, conv.n_turns, 0.7) and i in d.plan.kept]
+    assert d.plan.pinned == len(held)
     if len(active) <= rules.memory.eviction.max_pinned:
         assert lost == []
 

@@ -114,6 +114,14 @@ def _dominant_stage(counts: dict[str, int]) -> str:
 
 _NO_LIMIT = 1 << 62
 _DROP_MARKS: dict[str, tuple[str, str]] = {}  # stage -> its decision mark
+_KEEP_MARKS: dict[str, tuple[str, str]] = {}
+
+
+def _keep_mark(stage: str) -> tuple[str, str]:
+    mark = _KEEP_MARKS.get(stage)
+    if mark is None:
+        mark = _KEEP_MARKS[stage] = (KEEP, stage)
+    return mark
 
 
 def _drop_mark(stage: str) -> tuple[str, str]:
@@ -192,10 +200,14 @@ class _State:
     def keep(self, gs: Sequence[int], stage: str, cost: Cost | None = None) -> None:
         """Keep the undecided groups of gs; `cost` is theirs when the caller has it."""
         decision = self.decision
-        new = [g for g in gs if decision[g] is None]
-        t, c, m = self.cost(new) if cost is None else cost
-        mark = (KEEP, stage)
-        for g in new:
+        self.keep_open([g for g in gs if decision[g] is None], stage, cost)
+
+    def keep_open(self, gs: Sequence[int], stage: str, cost: Cost | None = None) -> None:
+        """keep() for groups the caller knows are all undecided."""
+        decision = self.decision
+        t, c, m = self.cost(gs) if cost is None else cost
+        mark = _keep_mark(stage)
+        for g in gs:
             decision[g] = mark
         self.tokens_used += t
         self.chars_used += c
@@ -327,11 +339,11 @@ def fit_length_budget(st: _State) -> None:
         gs = by_turn[turn]  # all undecided: their cost is the turn's
         if cut is not None:
             if turn >= cut:
-                st.keep(gs, "length", st.turn_cost(turn, gs))
+                st.keep_open(gs, "length", st.turn_cost(turn, gs))
                 continue
             full = True
         if not full and st.fits(cost := st.turn_cost(turn, gs)):
-            st.keep(gs, "length", cost)
+            st.keep_open(gs, "length", cost)
             continue
         full = True  # contiguous recency: nothing older than a turn that did not fit
         for g in gs:
@@ -543,11 +555,18 @@ def plan(
     if run_mark is not None:
         runs.append((run_start, len(groups), run_mark[1]))
     why = dict.fromkeys(conv.fixed, "system")
+    decision = st.decision
     for g in kept_groups:
-        d = st.decision[g]
+        d = decision[g]
+        label = d[1] if d is not None else "unbudgeted"
         for i in groups[g].indices:
-            why[i] = d[1] if d is not None else "unbudgeted"
-    kept = sorted(why)
+            why[i] = label
+    fixed = conv.fixed
+    if fixed and kept_groups and fixed[-1] > groups[kept_groups[0]].indices[0]:
+        kept: Sequence[int] = sorted(why)
+        kept_by = tuple(map(why.__getitem__, kept))
+    else:  # the system messages come first (as usual): already in index order
+        kept, kept_by = tuple(why), tuple(why.values())
     drops: dict[str, int] = {}
     n_dropped = 0
     for a, b, stage in runs:
@@ -567,8 +586,9 @@ def plan(
     return Plan(
         kept=tuple(kept),
         dropped=dropped,
-        kept_by=tuple(why[i] for i in kept),
-        pinned=_count_pins(conv, kept_groups, rules),
+        kept_by=kept_by,
+        pinned=_count_pins(conv, [g for g in conv.pinned_groups
+                                  if decision[g] is None or decision[g][0] == KEEP], rules),
         pinned_overflow=st.pinned_overflow,
         over_budget=over,
         kept_tokens=kept_tokens if st.count_tokens else None,
