@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from . import splice
 from .app import STATE, GatewayState
 from .capture import record as capture_record
 from .chat import Decision, decide
@@ -150,7 +151,7 @@ def intercept(wire: Wire) -> Handler:
         try:
             try:
                 raw = await read_body(request, rules.max_body_bytes)
-                if _unchangeable(rules, raw):
+                if _unchangeable(state, rules, wire, raw):
                     # nothing a decision could change: the client's bytes go upstream now,
                     # the measuring and the [mem] line follow the response
                     deferred = True
@@ -194,13 +195,17 @@ def intercept(wire: Wire) -> Handler:
     return handle
 
 
-def _unchangeable(rules: Rules, raw: bytes) -> bool:
+def _unchangeable(state: GatewayState, rules: Rules, wire: Wire, raw: bytes) -> bool:
     """Can no decision change this body? Eviction is not on (off or shadow only
     measure), no upstream is chosen by model, and the body holds no gateway metadata
     (which is stripped; an escaped ASCII character could spell its key, so any \\u00XX
-    escape takes the normal path too)."""
-    return (rules.memory.mode != "on" and not rules.routes_by_model
-            and b"memgate" not in raw and b"\\u00" not in raw)
+    escape takes the normal path too). A session's resent history was searched when it
+    was first seen: only what follows it is searched again."""
+    if rules.memory.mode == "on" or rules.routes_by_model:
+        return False
+    history = state.history_cache
+    start = history.unmarked_from(raw, wire) if history is not None else 0
+    return splice.unmarked(raw, start)
 
 
 def _decide(

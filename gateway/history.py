@@ -134,6 +134,18 @@ class HistoryCache:
                     return payload, r.rec
         return orjson.loads(raw), None
 
+    def unmarked_from(self, raw: bytes, wire: Wire) -> int:
+        """Where a search of `raw` for splice.MARKERS has to start: past the prefix of a
+        session's record that raw starts with and that holds none of them (else 0)."""
+        if len(raw) >= SPLICE_MIN_BYTES:
+            for key in self._by_head.get(hash(raw[:_HEAD])) or ():
+                e = self._entries.get(key)
+                r = e.reuse if e is not None and e.wire is wire else None
+                start = splice.unmarked_from(raw, r.rec if r is not None else None)
+                if start:
+                    return start
+        return 0
+
     def remember(self, key: tuple[str, str], raw: bytes, payload: Any, items: list[Any],
                  src: splice.Splice | None) -> None:
         """After a request: note where its last item starts in `raw`, so the session's

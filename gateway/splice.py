@@ -20,7 +20,7 @@ falls back to parsing the whole body: a splice only ever saves work.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -31,6 +31,18 @@ _SCALAR = re.compile(rb"[^,\]} \t\n\r]+")
 _ASCII_ESCAPE = re.compile(rb"\\u00[2-7]")  # \u00XX spelling a printable ASCII character
 
 
+# What a body must hold for the gateway to possibly change it with eviction off: its
+# metadata key, or a \u00XX escape (it could spell that key).
+MARKERS = (b"memgate", b"\\u00")
+_OVERLAP = max(map(len, MARKERS)) - 1
+
+
+def unmarked(b: bytes, start: int = 0, end: int | None = None) -> bool:
+    """No MARKERS in b[start:end] (read in place, not copied)."""
+    end = len(b) if end is None else end
+    return all(b.find(m, start, end) < 0 for m in MARKERS)
+
+
 @dataclass(frozen=True, slots=True)
 class Splice:
     """Where a body's reusable part ends: `prefix` = body[:off], `count` items before it."""
@@ -39,6 +51,16 @@ class Splice:
     count: int
     before: tuple[str, ...]  # top-level keys before the items list, in order
     key: str  # the items key ("messages", "input")
+    unmarked: bool = False  # the prefix holds none of MARKERS
+
+
+def unmarked_from(b: bytes, rec: Splice | None) -> int:
+    """Where in `b` a search for MARKERS has to start: after the prefix of `rec` (less
+    what a marker straddling its end could take) if b starts with it and it holds none,
+    else 0."""
+    if rec is None or not rec.unmarked or not b.startswith(rec.prefix):
+        return 0
+    return max(0, len(rec.prefix) - _OVERLAP)
 
 
 def _string_end(b: bytes, i: int) -> int:
@@ -169,14 +191,19 @@ def make(b: bytes, key: str, payload: dict[str, Any], src: Splice | None) -> Spl
     try:
         if src is not None and src.key == key and src.count <= n:
             off = skip_items(b, len(src.prefix), n - src.count)
-            return None if off is None else Splice(b[:off], n, src.before, key)
+            if off is None:
+                return None
+            clean = src.unmarked and unmarked(b, max(0, len(src.prefix) - _OVERLAP), off)
+            return Splice(b[:off], n, src.before, key, clean)
         fast = _at_last_item(b, key, payload)
-        if fast is not None:
-            return fast
-        found = locate(b, key, n)
+        if fast is None:
+            found = locate(b, key, n)
+            if found is None:
+                return None
+            fast = Splice(b[: found[0]], n, found[1], key)
     except (IndexError, ValueError):
         return None
-    return None if found is None else Splice(b[: found[0]], n, found[1], key)
+    return replace(fast, unmarked=unmarked(fast.prefix))
 
 
 def loads(b: bytes, rec: Splice, prev_payload: dict[str, Any]) -> dict[str, Any] | None:

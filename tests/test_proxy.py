@@ -286,6 +286,35 @@ async def test_gateway_metadata_stripped_in_every_mode(
     assert ev["hist_msgs"] == "1" and int(ev["est_tokens"]) > 0 and ev["mode"] == "shadow"
 
 
+async def test_metadata_in_a_resent_history_s_new_message_is_stripped(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """Eviction off: a resent history is not searched for the memgate key again, only what
+    follows it; metadata (plain or escaped) in a session's new message is still stripped,
+    and a body without any goes upstream byte for byte."""
+    gw = await gateway()
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "订单 " * 6000},
+                                  {"role": "assistant", "content": "ok"}]
+    hdrs = {"X-Session-Id": "resent"}
+    for n, extra in enumerate([None, None, {"pin": True}, None, {"score": 0.9}]):
+        new: dict[str, Any] = {"role": "user", "content": f"next {n}"}
+        if extra is not None:
+            new["memgate"] = extra
+        raw = orjson.dumps({"model": "m", "messages": [*msgs, new]})
+        if n == 4:  # the key spelled with an escape
+            raw = raw.replace(b'"memgate"', b'"\\u006demgate"')
+        await post_raw(gw, raw, headers=hdrs)
+        await gw.wait_mem(n + 1)
+        got = upstream.received[-1]["raw"]
+        if extra is None:
+            assert got == raw
+        else:
+            assert b"memgate" not in got and b"u006d" not in got
+            assert orjson.loads(got)["messages"][-1] == {"role": "user", "content": f"next {n}"}
+        msgs += [{"role": "user", "content": f"next {n}"}, {"role": "assistant", "content": "ok"}]
+    assert gw.state.history.spliced >= 3  # the resent histories were read from the records
+
+
 async def test_hot_reload_by_editing_the_file(gateway: GatewayFactory, upstream: Upstream) -> None:
     """Editing enable_eviction in the YAML changes mode= of the next requests, no restart."""
     gw = await gateway()

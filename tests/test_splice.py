@@ -106,6 +106,40 @@ def test_splice_is_the_whole_parse_or_nothing(p: dict[str, Any], fmt: str, more:
         assert inc == splice.make(new, "messages", orjson.loads(new), None)
 
 
+MARKED = st.lists(st.sampled_from(["memgate", "mem", "gate", "\\u00", "\\u006d", "é", "x "]),
+                  max_size=4).map("".join)
+
+
+@given(p=body(), fmt=st.sampled_from(sorted(FORMATS)), more=st.lists(MARKED, max_size=3),
+       noise=st.binary(max_size=10), data=st.data())
+def test_marker_search_from_a_record_is_the_whole_search(
+        p: dict[str, Any], fmt: str, more: list[str], noise: bytes, data: st.DataObject) -> None:
+    """With eviction off, a body holding the gateway's metadata key or a \\u00XX escape
+    takes the normal path; a resent history is not searched again. Searching from where
+    a record says gives what searching the whole body gives, for records made from the
+    whole body and from a spliced one, whatever follows the prefix."""
+    dump = FORMATS[fmt]
+    raw = dump(p)
+    prev = orjson.loads(raw)
+    rec = splice.make(raw, "messages", prev, None)
+    assert rec is not None and rec.unmarked == splice.unmarked(rec.prefix)
+    nxt = {**p, "messages": [*p["messages"], *({"role": "user", "content": t} for t in more)]}
+    new = dump(nxt)
+    if data.draw(st.booleans()):  # arbitrary bytes anywhere after the reused prefix
+        cut = data.draw(st.integers(len(rec.prefix), len(new)))
+        new = new[:cut] + noise + new[cut:]
+    start = splice.unmarked_from(new, rec)
+    assert splice.unmarked(new, start) == splice.unmarked(new)
+    got = splice.loads(new, rec, prev)
+    if got is not None:  # the next record, from the new items only
+        inc = splice.make(new, "messages", got, rec)
+        if inc is not None:
+            assert inc.unmarked == splice.unmarked(inc.prefix)
+            later = new[: len(inc.prefix)] + dump({"messages": [{"content": t} for t in more]})
+            assert (splice.unmarked(later, splice.unmarked_from(later, inc))
+                    == splice.unmarked(later))
+
+
 @given(p=body(), fmt=st.sampled_from(sorted(FORMATS)))
 def test_located_offset_is_the_last_items_start(p: dict[str, Any], fmt: str) -> None:
     """The scanner (any formatting) finds the same offset as the orjson fast way."""
