@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from typing import Any
 
 import aiohttp
 import orjson
+from hypothesis import given
+from hypothesis import strategies as st
 
 from .conftest import SECRET, GatewayFactory, Upstream, sample
 
@@ -52,3 +56,49 @@ async def test_metrics_count_requests_drops_and_reloads(
     assert value(text, "memgate_history_cache_entries") == 1
     assert 0 < value(text, "memgate_history_cache_bytes") <= 256 << 20
     assert "secret-session-name" not in text and SECRET not in text
+
+
+_FIELD_VALUES = (st.text(alphabet=st.sampled_from(list('ab= "\n\t\\é-_.订')), max_size=8)
+                 | st.integers(-10**12, 10**12) | st.booleans() | st.none()
+                 | st.floats(allow_nan=False, allow_infinity=False, width=32))
+
+
+@given(fields=st.dictionaries(st.sampled_from(["session", "turn", "req", "mode", "cut", "x_y",
+                                               "carried", "stream", "api"]),
+                              _FIELD_VALUES, max_size=9))
+def test_console_mem_line_reads_back(fields: dict[str, Any]) -> None:
+    """`[mem] k=v ...`: the seed's fields first in its order, then the rest as logged; a
+    value is bare unless it is empty or holds a space, quote, '=', newline or tab, then it
+    is a JSON string; None is '-', booleans true/false, floats two decimals."""
+    from gateway.logging import MEM_FIELDS, ConsoleRenderer
+
+    line = ConsoleRenderer()(None, "info", {"event": "mem", "level": "info", **fields})
+    assert line.startswith("[mem] ")
+    rest, got = line[len("[mem] "):], {}
+    while rest:
+        key, _, rest = rest.partition("=")
+        if rest.startswith('"'):
+            got[key], end = json.JSONDecoder().raw_decode(rest)
+            quoted = True
+        else:
+            end = rest.find(" ") if " " in rest else len(rest)
+            got[key] = rest[:end]
+            quoted = False
+        rest = rest[end + 1:]
+        v = fields[key]
+        if isinstance(v, str):
+            assert quoted == (not v or any(c in v for c in ' "=\n\t'))
+    want_order = [k for k in MEM_FIELDS if k in fields] + [k for k in fields
+                                                           if k not in MEM_FIELDS]
+    assert list(got) == want_order
+
+    def shown(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, float):
+            return f"{v:.2f}"
+        return str(v)
+
+    assert got == {k: shown(v) for k, v in fields.items()}
