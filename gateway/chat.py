@@ -7,7 +7,9 @@ what the gateway would forward. Works for every wire format. No I/O, no logging.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -254,8 +256,10 @@ def decide(
                 f"max_messages={rules.memory.budget.max_messages}); shorten the current turn"
             )
     if d.plan is not None and d.plan.dropped:
+        # the parse lists the marked messages: not a look at every dropped one
+        kept = d.plan.kept
         d.cache_marker_dropped = wire.cache_markers and any(
-            wire.has_cache_marker(items[i]) for i, _ in d.plan.dropped)
+            not _holds(kept, i) for i in d.conv.cache_marked)
     if d.mode == "on" and d.plan is not None and (d.plan.dropped or d.note):
         marker_at = None
         if d.cache_marker_dropped and rules.memory.eviction.move_cache_marker:
@@ -345,6 +349,11 @@ def _minus_note(prules: PlanRules, d: Decision) -> PlanRules:
         max_messages=None if lim.max_messages is None else max(1, lim.max_messages - 1),
         max_turns=lim.max_turns,
     ))
+
+
+def _holds(ascending: Sequence[int], i: int) -> bool:
+    k = bisect.bisect_left(ascending, i)
+    return k < len(ascending) and ascending[k] == i
 
 
 def _fits(p: Plan, lim: Limits) -> bool:

@@ -71,6 +71,8 @@ class Conversation:
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     # the groups with pins, listed when first asked for (history.join extends the head's)
     pinned: list[int] | None = field(default=None, compare=False, repr=False)
+    # messages carrying a provider prompt-cache breakpoint (wires with cache_markers)
+    cache_marked: list[int] = field(default_factory=list)
 
     @property
     def total_chars(self) -> int:

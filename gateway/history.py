@@ -94,6 +94,7 @@ def join(head: Conversation, tail: Conversation, at: int) -> Conversation:
         has_metadata=head.has_metadata or tail.has_metadata,
         memo=head.memo,
         pinned=head.pinned_groups + [g + len(head.groups) for g in tail.pinned_groups],
+        cache_marked=head.cache_marked + [i + at for i in tail.cache_marked],
     )
 
 

@@ -127,7 +127,10 @@ def to_anthropic(msgs: list[dict[str, Any]]) -> dict[str, Any]:
                         "input": {"q": c["function"]["arguments"]}} for c in m["tool_calls"]]
             out.append({"role": "assistant", "content": blocks, **extra})
             continue
-        out.append({"role": role, "content": [{"type": "text", "text": m["content"]}], **extra})
+        text: dict[str, Any] = {"type": "text", "text": m["content"]}
+        if len(out) % 3 == 1:  # some prompt-cache breakpoints (the same ones as it grows)
+            text["cache_control"] = {"type": "ephemeral"}
+        out.append({"role": role, "content": [text], **extra})
     return {"model": "claude-3-5-haiku-20241022", "max_tokens": 256,
             "system": "\n".join(system), "messages": out}
 

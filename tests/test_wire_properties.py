@@ -45,6 +45,8 @@ def test_anthropic_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]
     assert out["messages"] == [strip(src[i]) for i in d.plan.kept]
     assert_dropped_listing(d.plan)
     assert set(d.plan.kept) | {i for i, _ in d.plan.dropped} == set(range(len(src)))
+    assert d.cache_marker_dropped == any(  # from the parse's list of marked messages
+        ANTHROPIC_MESSAGES.has_cache_marker(src[i]) for i, _ in d.plan.dropped)
     last_user = max(i for i, m in enumerate(src) if m["role"] == "user" and not any(
         b.get("type") == "tool_result" for b in m["content"]))
     assert set(range(last_user, len(src))) <= set(d.plan.kept)

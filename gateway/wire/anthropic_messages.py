@@ -46,6 +46,7 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
     has_meta = False
     turn = 0
     open_uses: set[str] = set()  # tool_use ids of the last assistant message
+    marked: list[int] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise Unplannable("message_not_object")
@@ -57,7 +58,10 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
         content = m.get("content")
         n_chars = content_chars(content)
         chars.append(n_chars)
-        media += sum(1 for b in _blocks(content) if b.get("type") in ("image", "document"))
+        blocks = _blocks(content)
+        media += sum(1 for b in blocks if b.get("type") in ("image", "document"))
+        if any("cache_control" in b for b in blocks):
+            marked.append(i)
         pin, meta_here = message_pin(m, "messages", i, first_text(content), prefix,
                                      min_score)
         has_meta = has_meta or meta_here
@@ -81,7 +85,7 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
             grp.pins.append((i, pin))
     return Conversation(
         n_messages=len(messages), fixed=[], groups=groups, n_turns=turn, chars=chars,
-        media_parts=media, has_metadata=has_meta,
+        media_parts=media, has_metadata=has_meta, cache_marked=marked,
     )
 
 

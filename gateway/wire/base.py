@@ -21,7 +21,9 @@ class Wire:
     flavor: ApiFlavor = "openai"
     items_key = "messages"
     approx_tokens = False  # counted with a stand-in tokenizer (logged tokenizer=approx)
-    cache_markers = False  # items may carry provider prompt-cache breakpoints
+    # items may carry provider prompt-cache breakpoints (the parse then lists them in
+    # Conversation.cache_marked)
+    cache_markers = False
 
     def items(self, payload: dict[str, Any]) -> list[Any] | None:
         v = payload.get(self.items_key)
