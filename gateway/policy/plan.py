@@ -113,23 +113,18 @@ def _dominant_stage(counts: dict[str, int]) -> str:
 
 
 _NO_LIMIT = 1 << 62
-_DROP_MARKS: dict[str, tuple[str, str]] = {}  # stage -> its decision mark
-_KEEP_MARKS: dict[str, tuple[str, str]] = {}
+_MARKS: dict[tuple[str, str], tuple[str, str]] = {}  # (KEEP|DROP, stage) -> its mark
 
 
-def _keep_mark(stage: str) -> tuple[str, str]:
-    mark = _KEEP_MARKS.get(stage)
+def _mark(kind: str, stage: str) -> tuple[str, str]:
+    """One decision mark object per kind and stage: the plan finds runs of drops by
+    identity (and no mark is allocated per decision)."""
+    mark = _MARKS.get((kind, stage))
     if mark is None:
-        mark = _KEEP_MARKS[stage] = (KEEP, stage)
+        mark = _MARKS[kind, stage] = (kind, stage)
     return mark
 
 
-def _drop_mark(stage: str) -> tuple[str, str]:
-    """One mark object per stage: the plan finds runs of drops by identity."""
-    mark = _DROP_MARKS.get(stage)
-    if mark is None:
-        mark = _DROP_MARKS[stage] = (DROP, stage)
-    return mark
 Cost = tuple[int, int, int]  # tokens, chars, messages
 
 
@@ -210,7 +205,7 @@ class _State:
         """keep() for groups the caller knows are all undecided."""
         decision = self.decision
         t, c, m = self.cost(gs) if cost is None else cost
-        mark = _keep_mark(stage)
+        mark = _mark(KEEP, stage)
         for g in gs:
             decision[g] = mark
         self.tokens_used += t
@@ -219,7 +214,7 @@ class _State:
 
     def drop(self, g: int, stage: str) -> None:
         if self.decision[g] is None:
-            self.decision[g] = _drop_mark(stage)
+            self.decision[g] = _mark(DROP, stage)
 
     def anchor(self, g: int) -> int | None:
         """The first user group of g's turn (None: the turn has none), found in the
@@ -312,7 +307,7 @@ def keep_recent_turns(st: _State) -> None:
     decision = st.decision
     # groups are in turn order: the first k are the turns the cap drops
     k = bisect.bisect_left(st.conv.groups, oldest_allowed, key=lambda grp: grp.turn)
-    mark = _drop_mark("recent_turns")
+    mark = _mark(DROP, "recent_turns")
     if any(decision[:k]):  # some kept by an earlier stage (pins)
         decision[:k] = [mark if d is None else d for d in decision[:k]]
     else:
@@ -547,7 +542,7 @@ def plan(
     run_start, run_mark = 0, None
     skip, stage = st.dropped_prefix
     if skip:  # a long dropped prefix is one run, not a walk over its groups
-        run_mark = _drop_mark(stage)
+        run_mark = _mark(DROP, stage)
     for g in range(skip, len(groups)):
         d = st.decision[g]
         if d is not run_mark:
