@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .carry import Fold, Message, Snapshot, render_note
-from .carry.snapshot import DEFAULT_NOTE
+from .carry.snapshot import DEFAULT_NOTE, CarryRules
 from .conversation import Conversation, Unplannable
 from .errors import BadRequest, OverBudget
 from .history import HistoryCache, View
@@ -299,7 +299,7 @@ def _carry_note(
     if d.conv is None:
         return False
     if carry.enabled and patterns is not None and d.plan is not None and d.plan.dropped:
-        d.snapshot = _fold(d, items, patterns).snapshot(carry, d.conv.groups[-1].turn,
+        d.snapshot = _fold(d, items, patterns, carry).snapshot(carry, d.conv.groups[-1].turn,
                                                         skipped=carry.log_skipped)
     template = patterns.note if patterns is not None else DEFAULT_NOTE
     d.recalled = list(recalled or [])
@@ -307,7 +307,7 @@ def _carry_note(
     return d.note is not None
 
 
-def _fold(d: Decision, items: list[Any], patterns: Any) -> Fold:
+def _fold(d: Decision, items: list[Any], patterns: Any, carry: CarryRules) -> Fold:
     """The carry-over fold over every grouped message, resumed from the session's
     previous request when its history is unchanged up to where that fold stopped;
     checkpointed at this request's last turn start for the next one."""
@@ -332,6 +332,7 @@ def _fold(d: Decision, items: list[Any], patterns: Any) -> Fold:
     for i in sorted(turn_of):
         if pause is not None and i >= pause:
             assert entry is not None
+            fold.prune(carry, turn_of[i])  # what this request's snapshot and later ones need
             entry.fold, pause = fold.copy(), None
         fold.add(Message(turn_of[i], wire.item_role(items[i]), wire.item_text(items[i])))
     if pause is not None and entry is not None:

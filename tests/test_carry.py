@@ -291,30 +291,92 @@ _PIECES = ["/data/a.csv", "/srv/b", "report.json", "notes.md", "yesterday", "202
 @given(msgs=st.lists(st.tuples(st.sampled_from(["user", "assistant", "tool"]),
                                st.lists(st.sampled_from(_PIECES), min_size=1, max_size=6)),
                      max_size=30),
-       ttl=st.integers(0, 4), later=st.integers(0, 6), pending=st.booleans())
+       ttl=st.integers(0, 4), later=st.integers(0, 6), pending=st.booleans(),
+       prune=st.booleans())
 @example(msgs=[("user", ["summarize", "/data/a.csv", "write to", "report.json"]),
                ("user", ["that file", "and"]), ("user", ["/srv/b"]), ("user", ["ok", "and"])],
-         ttl=0, later=2, pending=True)  # an old output file and a resolved phrase: still carried
+         ttl=0, later=2, pending=True, prune=False)  # an old output file and a resolved
+@example(msgs=[("user", ["summarize", "/data/a.csv", "write to", "report.json"]),  # phrase:
+               ("user", ["that file", "and"]), ("user", ["/srv/b"]), ("user", ["ok", "and"])],
+         ttl=0, later=2, pending=True, prune=True)  # still carried, also when pruning
 def test_fold_snapshot_is_the_scan_of_every_ref(
-        msgs: list[tuple[str, list[str]]], ttl: int, later: int, pending: bool) -> None:
-    """Per-type indexes and the fresh-suffix walk change nothing: the same snapshot, at
-    every step (also some turns later), as the fold that scans every ref seen so far —
-    fields and, when asked for, the list of what was left out."""
+        msgs: list[tuple[str, list[str]]], ttl: int, later: int, pending: bool,
+        prune: bool) -> None:
+    """Per-type indexes, the fresh-suffix walk and forgetting what no later snapshot can
+    carry change nothing: the same snapshot, at every step (also some turns later), as
+    the fold that scans every ref seen so far and forgets none — fields and, when asked
+    for, the list of what was left out (the gateway prunes only when it is not)."""
     from gateway.carry import CarryRules
     from gateway.carry.snapshot import ALL_FIELDS
 
-    rules = CarryRules(keep_fields=ALL_FIELDS, ref_ttl_turns=ttl, no_pending_reference=pending)
+    rules = CarryRules(keep_fields=ALL_FIELDS, ref_ttl_turns=ttl, no_pending_reference=pending,
+                       log_skipped=not prune)
     patterns = RULES.memory.carry_patterns
     fast, slow = Fold(patterns), _ScanAllFold(patterns)
     for turn, (role, words) in enumerate(msgs, start=1):
         m = Message(turn, role, " ".join(words))
         fast.add(m)
         slow.add(m)
+        fast.prune(rules, turn)  # a checkpoint: later snapshots are at this turn or after
         want = slow.snapshot(rules, turn + later)
-        assert fast.snapshot(rules, turn + later) == want
+        if not prune:
+            assert fast.snapshot(rules, turn + later) == want
         assert fast.snapshot(rules, turn + later, skipped=False).fields == want.fields
-        assert list(fast.refs) == list(slow.refs)
+        assert list(fast.refs) == [k for k in slow.refs if k in fast.refs]
         fast = fast.copy()  # checkpoints carry the indexes along
+
+
+_MANY = [*(f"/data/f{k}.csv" for k in range(6)), *(f"/srv/d{k}" for k in range(6)),
+         *(f"r{k}.json" for k in range(4)), "that file", "that path", "it", "the former",
+         "the latter", "前一个", "write to", "summarize", "and", "done", "should I?", "yes"]
+
+
+@given(msgs=st.lists(st.tuples(st.sampled_from(["user", "assistant"]),
+                               st.lists(st.sampled_from(_MANY), min_size=1, max_size=5)),
+                     max_size=40),
+       ttl=st.integers(0, 3), later=st.integers(0, 4), every=st.integers(1, 4))
+@example(msgs=[("user", ["summarize", "write to", "r0.json"]), ("user", ["r1.json"]),
+               ("user", ["r2.json"]), ("user", ["r3.json"]), ("user", ["and"])],
+         ttl=0, later=2, every=1)  # the output file, long unmentioned, is still carried
+def test_pruned_checkpoints_give_the_same_snapshots(
+        msgs: list[tuple[str, list[str]]], ttl: int, later: int, every: int) -> None:
+    """Many refs of each type, phrases resolving to old ones: a fold pruned at its
+    checkpoints (every few turns) gives the snapshot fields of one that keeps every
+    ref, at every step and some turns later."""
+    from gateway.carry import CarryRules
+    from gateway.carry.snapshot import ALL_FIELDS
+
+    rules = CarryRules(keep_fields=ALL_FIELDS, ref_ttl_turns=ttl, log_skipped=False)
+    patterns = RULES.memory.carry_patterns
+    pruned, whole = Fold(patterns), Fold(patterns)
+    for turn, (role, words) in enumerate(msgs, start=1):
+        m = Message(turn, role, " ".join(words))
+        if turn % every == 0:
+            pruned.prune(rules, turn)
+            pruned = pruned.copy()
+        pruned.add(m)
+        whole.add(m)
+        for at in (turn, turn + later):
+            assert (pruned.snapshot(rules, at, skipped=False).fields
+                    == whole.snapshot(rules, at, skipped=False).fields)
+
+
+def test_a_long_session_s_checkpoint_keeps_what_it_needs() -> None:
+    """An agent names a new file in every turn: the fold a session's checkpoint holds
+    keeps the fresh refs, the last two of each type and what phrases point at, not
+    every file of the session (it was copied in full on every request)."""
+    from gateway.carry import CarryRules
+
+    rules = CarryRules(ref_ttl_turns=3, log_skipped=False)
+    fold = Fold(RULES.memory.carry_patterns)
+    for turn in range(1, 401):
+        text = f"now open /src/mod{turn}.py" + (" and check that path" if turn == 7 else "")
+        fold.add(Message(turn, "user", text))
+        fold.prune(rules, turn)
+    assert len(fold.refs) <= 6
+    assert "/src/mod400.py" in {v for _, v in fold.refs}
+    assert fold.snapshot(rules, 400, skipped=False).fields["resolved_refs"] == {
+        "that path": "/src/mod6.py"}  # resolved before the message's own path is noted
 
 
 def test_a_phrase_in_two_cases_is_one_resolved_ref() -> None:

@@ -35,7 +35,8 @@ WIRES: dict[str, tuple[Wire, Any]] = {
 
 
 def make_rules(memory: dict[str, Any]) -> Rules:
-    memory = {**memory, "carry": {"rules_file": "carry.yaml"}}
+    # as shipped: stale refs not logged, so a session's checkpoint folds are pruned
+    memory = {**memory, "carry": {"rules_file": "carry.yaml", "log_skipped": False}}
     return build_rules({"memory": memory, "tokens": {"models_file": "models.yaml"}},
                        base_dir=ROOT / "rules")
 

@@ -243,6 +243,31 @@ class Fold:
             if not same:
                 del self.by_type[ref.type]
 
+    def prune(self, rules: CarryRules, turn: int) -> None:
+        """Forget the refs that no snapshot from `turn` on can carry and no deictic can
+        reach: mentioned more than ref_ttl_turns turns before it, not among the last two
+        of their type, not what a resolved phrase or the output file names. (Resolving
+        picks among the last two of a type and mentions its choice again; a forgotten
+        ref mentioned again comes back as it would have been.) A session's checkpoint
+        then holds what it still needs, not every path it ever named. Nothing is
+        forgotten while stale refs are listed (`log_skipped`) or all refs are carried."""
+        if rules.log_skipped or not rules.no_pending_reference:
+            return
+        oldest = turn - rules.ref_ttl_turns
+        live = set(self.resolved.values())
+        if self.output_file:
+            live.add(self.output_file)
+        stale = []
+        for ref in self.refs.values():  # mention order: the stale refs come first
+            if ref.last_turn >= oldest:
+                break
+            if ref.value not in live:
+                stale.append(ref)
+        for ref in stale:
+            same = self.by_type[ref.type]
+            if (ref.type, ref.value) not in islice(reversed(same), 2):
+                self._forget(ref)
+
     def _latest(self, rtype: str, n: int) -> list[_Ref]:
         """The last n refs of a type (fewer if there are not so many), oldest first."""
         same = self.by_type.get(rtype)
