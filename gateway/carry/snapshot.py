@@ -250,8 +250,12 @@ class Fold:
         picks among the last two of a type and mentions its choice again; a forgotten
         ref mentioned again comes back as it would have been.) A session's checkpoint
         then holds what it still needs, not every path it ever named. Nothing is
-        forgotten while stale refs are listed (`log_skipped`) or all refs are carried."""
-        if rules.log_skipped or not rules.no_pending_reference:
+        forgotten while what was left out is logged (`log_skipped`), and no ref while all
+        refs are carried."""
+        if rules.log_skipped:
+            return
+        self.skipped = []  # read only to log what was left out
+        if not rules.no_pending_reference:
             return
         oldest = turn - rules.ref_ttl_turns
         live = set(self.resolved.values())
