@@ -326,7 +326,7 @@ async def _log_mem(
     if (d is not None and d.view is not None and d.view.entry is not None
             and state.history_cache is not None):  # last: only ever saves the next parse
         state.history_cache.remember((tenant, session), d.raw, d.payload, d.messages,
-                                     d.spliced_from)
+                                     d.spliced_from, scan=d.mode != "on")
 
 
 async def _measure_session(

@@ -51,14 +51,14 @@ class Splice:
     count: int
     before: tuple[str, ...]  # top-level keys before the items list, in order
     key: str  # the items key ("messages", "input")
-    unmarked: bool = False  # the prefix holds none of MARKERS
+    unmarked: bool | None = None  # the prefix holds none of MARKERS (None: not searched)
 
 
 def unmarked_from(b: bytes, rec: Splice | None) -> int:
     """Where in `b` a search for MARKERS has to start: after the prefix of `rec` (less
     what a marker straddling its end could take) if b starts with it and it holds none,
     else 0."""
-    if rec is None or not rec.unmarked or not b.startswith(rec.prefix):
+    if rec is None or rec.unmarked is not True or not b.startswith(rec.prefix):
         return 0
     return max(0, len(rec.prefix) - _OVERLAP)
 
@@ -181,9 +181,12 @@ def _at_last_item(b: bytes, key: str, payload: dict[str, Any]) -> Splice | None:
     return Splice(b[:off], len(items) - 1, tuple(names[:at]), key)
 
 
-def make(b: bytes, key: str, payload: dict[str, Any], src: Splice | None) -> Splice | None:
+def make(b: bytes, key: str, payload: dict[str, Any], src: Splice | None,
+         scan: bool = True) -> Splice | None:
     """The splice record for body `b` (parsed: `payload`) at the start of its last item;
-    `src`, the record `b` was spliced with, lets only the new items be scanned."""
+    `src`, the record `b` was spliced with, lets only the new items be scanned. `scan`:
+    search the prefix for MARKERS (only eviction off reads the result; without it the
+    record says it does not know, and the whole body is searched)."""
     items = payload.get(key)
     if type(items) is not list or len(items) < 2:
         return None
@@ -193,7 +196,13 @@ def make(b: bytes, key: str, payload: dict[str, Any], src: Splice | None) -> Spl
             off = skip_items(b, len(src.prefix), n - src.count)
             if off is None:
                 return None
-            clean = src.unmarked and unmarked(b, max(0, len(src.prefix) - _OVERLAP), off)
+            clean = src.unmarked
+            if not scan:
+                clean = None
+            elif clean is None:  # the record it was spliced with was not searched
+                clean = unmarked(b, 0, off)
+            elif clean:  # only the new items
+                clean = unmarked(b, max(0, len(src.prefix) - _OVERLAP), off)
             return Splice(b[:off], n, src.before, key, clean)
         fast = _at_last_item(b, key, payload)
         if fast is None:
@@ -203,7 +212,7 @@ def make(b: bytes, key: str, payload: dict[str, Any], src: Splice | None) -> Spl
             fast = Splice(b[: found[0]], n, found[1], key)
     except (IndexError, ValueError):
         return None
-    return replace(fast, unmarked=unmarked(fast.prefix))
+    return replace(fast, unmarked=unmarked(fast.prefix)) if scan else fast
 
 
 def loads(b: bytes, rec: Splice, prev_payload: dict[str, Any]) -> dict[str, Any] | None:

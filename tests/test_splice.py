@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway import splice
@@ -111,30 +111,41 @@ MARKED = st.lists(st.sampled_from(["memgate", "mem", "gate", "\\u00", "\\u006d",
 
 
 @given(p=body(), fmt=st.sampled_from(sorted(FORMATS)), more=st.lists(MARKED, max_size=3),
-       noise=st.binary(max_size=10), data=st.data())
+       noise=st.binary(max_size=10), at=st.none() | st.integers(0, 1 << 20),
+       scans=st.tuples(st.booleans(), st.booleans()))
+@example(p={"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+         fmt="orjson", more=["x", "memgate", "y"], noise=b"", at=None,
+         scans=(True, True))  # the key in a new item that the next record's prefix covers
+@example(p={"messages": [{"role": "user", "content": "memgate"},
+                         {"role": "user", "content": "b"}]},
+         fmt="orjson", more=["x", "y"], noise=b"", at=None,
+         scans=(False, True))  # the key in a prefix that was not searched when recorded
 def test_marker_search_from_a_record_is_the_whole_search(
-        p: dict[str, Any], fmt: str, more: list[str], noise: bytes, data: st.DataObject) -> None:
+        p: dict[str, Any], fmt: str, more: list[str], noise: bytes, at: int | None,
+        scans: tuple[bool, bool]) -> None:
     """With eviction off, a body holding the gateway's metadata key or a \\u00XX escape
     takes the normal path; a resent history is not searched again. Searching from where
     a record says gives what searching the whole body gives, for records made from the
-    whole body and from a spliced one, whatever follows the prefix."""
+    whole body and from a spliced one, searched when made or not (eviction on does not
+    need it), whatever follows the prefix."""
     dump = FORMATS[fmt]
     raw = dump(p)
     prev = orjson.loads(raw)
-    rec = splice.make(raw, "messages", prev, None)
-    assert rec is not None and rec.unmarked == splice.unmarked(rec.prefix)
+    rec = splice.make(raw, "messages", prev, None, scans[0])
+    assert rec is not None
+    assert rec.unmarked == (splice.unmarked(rec.prefix) if scans[0] else None)
     nxt = {**p, "messages": [*p["messages"], *({"role": "user", "content": t} for t in more)]}
     new = dump(nxt)
-    if data.draw(st.booleans()):  # arbitrary bytes anywhere after the reused prefix
-        cut = data.draw(st.integers(len(rec.prefix), len(new)))
+    if at is not None:  # arbitrary bytes anywhere after the reused prefix
+        cut = len(rec.prefix) + at % (len(new) - len(rec.prefix) + 1)
         new = new[:cut] + noise + new[cut:]
     start = splice.unmarked_from(new, rec)
     assert splice.unmarked(new, start) == splice.unmarked(new)
     got = splice.loads(new, rec, prev)
     if got is not None:  # the next record, from the new items only
-        inc = splice.make(new, "messages", got, rec)
+        inc = splice.make(new, "messages", got, rec, scans[1])
         if inc is not None:
-            assert inc.unmarked == splice.unmarked(inc.prefix)
+            assert inc.unmarked == (splice.unmarked(inc.prefix) if scans[1] else None)
             later = new[: len(inc.prefix)] + dump({"messages": [{"content": t} for t in more]})
             assert (splice.unmarked(later, splice.unmarked_from(later, inc))
                     == splice.unmarked(later))
