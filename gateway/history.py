@@ -17,6 +17,7 @@ Bounded (LRU) by entries and by the memory its entries are estimated to hold.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,33 +119,33 @@ class HistoryCache:
         self.max_bytes, self.max_entries = max_bytes, max_entries
         self._evict()
 
+    def _records(self, raw: bytes, wire: Wire) -> Iterator[Reuse]:
+        """The records of sessions whose bodies began like `raw` (candidates only: a
+        record applies when raw starts with its prefix)."""
+        if len(raw) >= SPLICE_MIN_BYTES:
+            for key in self._by_head.get(hash(raw[:_HEAD])) or ():
+                e = self._entries.get(key)
+                if e is not None and e.wire is wire and e.reuse is not None:
+                    yield e.reuse
+
     def loads(self, raw: bytes, wire: Wire) -> tuple[Any, splice.Splice | None]:
         """orjson.loads(raw), reusing a session's previous parse when raw starts with that
         body's bytes up to its last item; (payload, the splice used or None).
         Raises orjson.JSONDecodeError like orjson.loads."""
-        if len(raw) >= SPLICE_MIN_BYTES:
-            keys = self._by_head.get(hash(raw[:_HEAD]))
-            for key in keys or ():
-                e = self._entries.get(key)
-                r = e.reuse if e is not None and e.wire is wire else None
-                if r is None:
-                    continue
-                payload = splice.loads(raw, r.rec, r.payload)
-                if payload is not None:
-                    self.spliced += 1
-                    return payload, r.rec
+        for r in self._records(raw, wire):
+            payload = splice.loads(raw, r.rec, r.payload)
+            if payload is not None:
+                self.spliced += 1
+                return payload, r.rec
         return orjson.loads(raw), None
 
     def unmarked_from(self, raw: bytes, wire: Wire) -> int:
         """Where a search of `raw` for splice.MARKERS has to start: past the prefix of a
         session's record that raw starts with and that holds none of them (else 0)."""
-        if len(raw) >= SPLICE_MIN_BYTES:
-            for key in self._by_head.get(hash(raw[:_HEAD])) or ():
-                e = self._entries.get(key)
-                r = e.reuse if e is not None and e.wire is wire else None
-                start = splice.unmarked_from(raw, r.rec if r is not None else None)
-                if start:
-                    return start
+        for r in self._records(raw, wire):
+            start = splice.unmarked_from(raw, r.rec)
+            if start:
+                return start
         return 0
 
     def remember(self, key: tuple[str, str], raw: bytes, payload: Any, items: list[Any],

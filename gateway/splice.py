@@ -54,11 +54,11 @@ class Splice:
     unmarked: bool | None = None  # the prefix holds none of MARKERS (None: not searched)
 
 
-def unmarked_from(b: bytes, rec: Splice | None) -> int:
+def unmarked_from(b: bytes, rec: Splice) -> int:
     """Where in `b` a search for MARKERS has to start: after the prefix of `rec` (less
     what a marker straddling its end could take) if b starts with it and it holds none,
     else 0."""
-    if rec is None or rec.unmarked is not True or not b.startswith(rec.prefix):
+    if rec.unmarked is not True or not b.startswith(rec.prefix):
         return 0
     return max(0, len(rec.prefix) - _OVERLAP)
 

@@ -268,8 +268,7 @@ class Fold:
             if ref.value not in live:
                 stale.append(ref)
         for ref in stale:
-            same = self.by_type[ref.type]
-            if (ref.type, ref.value) not in islice(reversed(same), 2):
+            if ref not in self._latest(ref.type, 2):
                 self._forget(ref)
 
     def _latest(self, rtype: str, n: int) -> list[_Ref]:

@@ -176,15 +176,11 @@ class _State:
 
     def cost(self, gs: Sequence[int]) -> Cost:
         groups, known = self.conv.groups, self.group_tokens
-        key = self.tokens_key if self.count_tokens else None
         t = c = m = 0
         for g in gs:
             grp = groups[g]
             n = known[g]
-            if n < 0:  # the group's sum from an earlier plan, else tokens() counts it
-                n = known[g] = (grp.tokens if key is not None and grp.tokens_key == key
-                                else self.tokens(g))
-            t += n
+            t += n if n >= 0 else self.tokens(g)
             c += grp.chars
             m += len(grp.indices)
         return t, c, m
