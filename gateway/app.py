@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,13 +14,13 @@ from aiohttp import web
 
 from . import logging as mglog
 from .capture import Capture
+from .errors import RulesError
 from .history import HistoryCache
 from .memory_api import MemoryService
 from .memory_api import routes as memory_routes
 from .metrics import Metrics
 from .reload import Reloader
 from .rules import Rules
-from .errors import RulesError
 from .state import MemoryState, RedisState
 from .tokens import Tokenizers
 from .upstream import UpstreamPool
@@ -38,6 +39,10 @@ class GatewayState:
     capture: Capture = field(default_factory=Capture)
     memory: MemoryService | None = None
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    # one thread counts the tokens of big cold histories for the [mem] line: a burst of
+    # them queues there instead of competing with the event loop for cores and the GIL
+    counting: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        1, thread_name_prefix="memgate-count"))
     pool: UpstreamPool = field(default_factory=UpstreamPool)
     log: Any = None
 
@@ -137,6 +142,7 @@ def create_app(
                 loop.remove_signal_handler(signal.SIGHUP)
             if state.background:  # accounting of requests whose clients already left
                 await asyncio.gather(*state.background, return_exceptions=True)
+            state.counting.shutdown(wait=False)
             await state.capture.drain()  # nothing captured is lost on a clean shutdown
             await memory.close()  # archived turns flushed before the store closes
             for task in (watcher, writer, archiver):

@@ -10,6 +10,7 @@ import asyncio
 import bisect
 import math
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -90,9 +91,9 @@ class Decision:
         known = self.view.known if self.view is not None else 0
         return sum(self.conv.chars[known:])
 
-    async def count_off_loop(self, indices: list[int]) -> None:
-        """Count these messages in a worker thread (tiktoken releases the GIL): a cold
-        megabyte history is not tokenized on the event loop."""
+    async def count_off_loop(self, indices: list[int], executor: Executor | None = None) -> None:
+        """Count these messages in a worker thread of `executor` (tiktoken releases the
+        GIL): a cold megabyte history is not tokenized on the event loop."""
         items = self.messages
         if self._msg_tokens is None:
             self._msg_tokens = [-1] * len(items)
@@ -103,7 +104,7 @@ class Decision:
         wire, plain = self.wire, TokenCounter(self.counter.encoding, self.counter.name, 0)
         batch = [items[i] for i in todo]
         counts = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: [wire.item_tokens(m, plain) for m in batch])
+            executor, lambda: [wire.item_tokens(m, plain) for m in batch])
         for i, n in zip(todo, counts):
             self._msg_tokens[i] = self._scaled(n)
 

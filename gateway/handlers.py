@@ -343,7 +343,7 @@ async def _measure_session(
     known, known_tokens = known_prefix(prev, msgs)
     grown = prev is not None and known == prev.n_messages
     if d.uncounted_chars() > OFFLOAD_CHARS:
-        await d.count_off_loop(list(range(known, len(msgs))))
+        await d.count_off_loop(list(range(known, len(msgs))), state.counting)
     if d.view is not None and d.view.known >= known:  # the history cache holds the prefix
         msg_tokens = d.all_message_tokens()
     else:

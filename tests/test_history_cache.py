@@ -4,6 +4,7 @@ carry-over snapshot, token counts), for growing, edited and switching histories.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,40 @@ async def test_big_cold_history_counted_off_loop_exactly(
         msgs += [{"role": "user", "content": "and next?"}]
     # the second request: only what was appended parsed (with the cache on)
     assert gw.state.history.hits == (1 if cache_mb else 0)
+
+
+async def test_burst_of_big_cold_histories_counted_on_one_thread(gateway: Any, upstream: Any
+                                                                ) -> None:
+    """Big cold histories arriving together are counted one after another on the
+    gateway's one counting thread (not one worker thread each, all competing with the
+    event loop), and each [mem] line still has its history's exact count."""
+    import threading
+
+    from .test_proxy import post_raw
+
+    gw = await gateway(memory={"enable_eviction": True, "shadow": False})
+    rules = make_rules({"enable_eviction": True})
+    bodies = []
+    for k in range(4):
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
+        for t in range(40):
+            msgs += [{"role": "user", "content": f"s{k} turn {t}: " + "订单 budget " * (150 + k)},
+                     {"role": "assistant", "content": f"answer {t} " + "ok " * 40}]
+        bodies.append(orjson.dumps({"model": "gpt-4o-mini", "messages": msgs}))
+    before = {t.ident for t in threading.enumerate()}
+    results = await asyncio.gather(*(post_raw(gw, raw, headers={"X-Session-Id": f"b{k}"})
+                                     for k, raw in enumerate(bodies)))
+    assert [status for status, _, _ in results] == [200] * 4
+    lines = await gw.wait_mem(4)
+    want = {}
+    for k, raw in enumerate(bodies):
+        direct = decide(raw, orjson.loads(raw), rules, TOK, OPENAI_CHAT)
+        assert sum(direct.conv.chars) > 65_536  # each one takes the off-loop path
+        want[f"b{k}"] = direct.est_tokens()
+    got = {ev["session"]: int(ev["est_tokens"]) for ev in lines}
+    assert got == want
+    new = [t for t in threading.enumerate() if t.ident not in before]
+    assert [t.name.split("_")[0] for t in new] == ["memgate-count"]
 
 
 @pytest.mark.parametrize("low_water", [0.3, 0.6])
