@@ -14,7 +14,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .carry import Fold, Message, Snapshot, render_note
+from .carry import Fold, Snapshot, render_note
 from .carry.snapshot import DEFAULT_NOTE, CarryRules
 from .conversation import Conversation, Unplannable
 from .errors import BadRequest, OverBudget
@@ -335,7 +335,7 @@ def _fold(d: Decision, items: list[Any], patterns: Any, carry: CarryRules) -> Fo
             assert entry is not None
             fold.prune(carry, turn_of[i])  # what this request's snapshot and later ones need
             entry.fold, pause = fold.copy(), None
-        fold.add(Message(turn_of[i], wire.item_role(items[i]), wire.item_text(items[i])))
+        fold.add_text(turn_of[i], wire.item_role(items[i]), wire.item_text(items[i]))
     if pause is not None and entry is not None:
         entry.fold = fold  # nothing more is folded into it here: the snapshot only reads
     return fold

@@ -409,9 +409,14 @@ def test_shipped_it_deictic_is_the_word_boundary_form(text: str) -> None:
             == [m.span() for m in reference.finditer(text)])
 
 
-@given(text=st.text(alphabet=" \t\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029\u3000ab", max_size=30))
-def test_first_line_is_the_stripped_texts_first_line(text: str) -> None:
-    """A tool result is remembered by its first line: the definition, without the copies."""
+@given(text=st.text(alphabet=" \t\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029\u3000ab", max_size=30),
+       limit=st.none() | st.integers(1, 12))
+@example(text="ab  ", limit=3).via("a short last line: the limit reaches its stripped spaces")
+@example(text="ab\n", limit=2).via("a line end right after the limit")
+def test_first_line_is_the_stripped_texts_first_line(text: str, limit: int | None) -> None:
+    """A tool result is remembered by its first line (at most `limit` characters of it):
+    the definition, without the copies."""
     from gateway.carry.snapshot import _first_line
 
-    assert _first_line(text) == (text.strip().splitlines()[0] if text.strip() else None)
+    want = text.strip().splitlines()[0][:limit] if text.strip() else None
+    assert _first_line(text, limit) == want

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 import re
 from array import array
 from collections.abc import Iterable
@@ -40,16 +41,37 @@ class CarryPatterns:
     # (type, pattern, its prefilter bit) per ref pattern, in order
     ref_bits: tuple[tuple[str, re.Pattern[str], int], ...] = field(
         init=False, compare=False, repr=False)
+    # (index in deictics, pattern, its bit) per deictic
+    deictic_bits: tuple[tuple[int, re.Pattern[str], int], ...] = field(
+        init=False, compare=False, repr=False)
+    # one bit per other searched pattern, and the union of the ref and of the deictic
+    # bits: a text none of whose strings any ref (deictic) pattern needs skips them all
+    bits: dict[str, int] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        pre = Prefilter(self.all_patterns())
+        pre = Prefilter(self.searched_patterns())
+        ref_bits = tuple((rtype, pat, pre.bit(pat)) for rtype, pat in self.refs)
+        deictic_bits = tuple((k, d.pattern, pre.bit(d.pattern))
+                             for k, d in enumerate(self.deictics))
+        bits = {name: pre.bit(getattr(self, name))
+                for name in ("create", "ask", "close", "output_verbs")}
+        bits["refs"] = functools.reduce(operator.or_, (b for _, _, b in ref_bits), 0)
+        bits["deictics"] = functools.reduce(operator.or_, (b for _, _, b in deictic_bits), 0)
         object.__setattr__(self, "prefilter", pre)
-        object.__setattr__(self, "ref_bits", tuple(
-            (rtype, pat, pre.bit(pat)) for rtype, pat in self.refs))
+        object.__setattr__(self, "ref_bits", ref_bits)
+        object.__setattr__(self, "deictic_bits", deictic_bits)
+        object.__setattr__(self, "bits", bits)
 
     def all_patterns(self) -> list[re.Pattern[str]]:
+        return [*self.searched_patterns(), self.small_talk]
+
+    def searched_patterns(self) -> list[re.Pattern[str]]:
+        """The patterns searched anywhere in a text: the prefilter's. Not small_talk, only
+        ever tried at a text's start (`match`: a few comparisons), whose fixed strings
+        occur inside common words ("hi" in "this", "ok" in "look"): in the automaton they
+        were most of its matches, each one a step of the scan's Python loop."""
         return [*(pat for _, pat in self.refs), *(d.pattern for d in self.deictics),
-                self.create, self.ask, self.close, self.small_talk, self.output_verbs]
+                self.create, self.ask, self.close, self.output_verbs]
 
 
 _ZERO_WIDTH = {_constants.AT, _constants.ASSERT, _constants.ASSERT_NOT}

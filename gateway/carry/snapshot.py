@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from .rules import CarryPatterns, Deictic
 
@@ -89,17 +89,26 @@ _NOT_SPACE = re.compile(r"\S")
 _LINE_END = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")  # str.splitlines'
 
 
-def _first_line(text: str) -> str | None:
-    """text.strip().splitlines()[0] (None for a blank text) without copying or splitting
-    the rest of a long tool result."""
+def _first_line(text: str, limit: int | None = None) -> str | None:
+    """text.strip().splitlines()[0][:limit] (None for a blank text) without copying or
+    splitting the rest of a long tool result, nor searching a long first line past
+    `limit`."""
     start = _NOT_SPACE.search(text)
     if start is None:
         return None
     a = start.start()
+    if limit:
+        head = text[a:a + limit]
+        if _LINE_END.search(head) is None and not head[-1].isspace():
+            # the first line runs to `limit` at least, and rstrip() cannot shorten it
+            # below that: text[a] is not a space and neither is head's last character
+            return head
     end = _LINE_END.search(text, a)
     if end is None or _NOT_SPACE.search(text, end.start()) is None:  # one line, once stripped
-        return text[a:].rstrip()
-    return text[a:end.start()]
+        line = text[a:].rstrip()
+    else:
+        line = text[a:end.start()]
+    return line if limit is None else line[:limit]
 
 
 def _first_clause(text: str) -> str:
@@ -126,9 +135,10 @@ def _refs_in(p: CarryPatterns, text: str, mask: int) -> list[tuple[str, str]]:
     return [(t, v) for _, t, v in sorted(found)]
 
 
-@dataclass(frozen=True, slots=True)
-class _Extract:
-    """What the patterns find in one message (cached: a history is re-read every request)."""
+class _Extract(NamedTuple):
+    """What the patterns find in one message (cached: a history is re-read every request).
+    A named tuple: built for every message of a cold history, ~3x cheaper than a frozen
+    dataclass."""
 
     small_talk: bool
     deictics: tuple[tuple[int, str], ...]  # (index in patterns.deictics, phrase)
@@ -154,29 +164,27 @@ def _extract(p: CarryPatterns, role: str, text: str) -> _Extract:
 @functools.lru_cache(maxsize=50_000)
 def _extract_cached(role: str, text: str) -> _Extract:
     p = _PATTERNS[0]
-    user = role == "user"
     mask = p.prefilter.scan(text)  # which patterns' fixed strings the text contains
-    may = p.prefilter.may_match
-
-    def search(pat: re.Pattern[str]) -> bool:
-        return may(pat, mask) and pat.search(text) is not None
-
+    bits = p.bits
+    refs = tuple(_refs_in(p, text, mask)) if mask & bits["refs"] else ()
+    if role != "user":
+        return _Extract(
+            False, (), refs, False,
+            bool(mask & bits["ask"]) and p.ask.search(text) is not None,
+            bool(mask & bits["close"]) and p.close.search(text) is not None,
+            False, _sentences_with_question(text), "")
     return _Extract(
-        small_talk=user and may(p.small_talk, mask) and p.small_talk.match(text) is not None,
+        p.small_talk.match(text) is not None,
         # a phrase the pattern matches in any case is one phrase ("It" at a sentence's
         # start is "it"): one entry in the note, not one per spelling
-        deictics=tuple((k, m.group(0).lower() if d.pattern.flags & re.IGNORECASE
-                        else m.group(0))
-                       for k, d in enumerate(p.deictics)
-                       if may(d.pattern, mask) for m in d.pattern.finditer(text)) if user else (),
-        refs=tuple(_refs_in(p, text, mask)),
-        create=user and search(p.create),
-        ask=not user and search(p.ask),
-        close=not user and search(p.close),
-        output=user and search(p.output_verbs),
-        question="" if user else _sentences_with_question(text),
-        first_clause=_first_clause(text) if user else "",
-    )
+        tuple((k, m.group(0).lower() if pat.flags & re.IGNORECASE else m.group(0))
+              for k, pat, bit in p.deictic_bits if mask & bit for m in pat.finditer(text))
+        if mask & bits["deictics"] else (),
+        refs,
+        bool(mask & bits["create"]) and p.create.search(text) is not None,
+        False, False,
+        bool(mask & bits["output_verbs"]) and p.output_verbs.search(text) is not None,
+        "", _first_clause(text))
 
 
 class Fold:
@@ -308,22 +316,25 @@ class Fold:
         return False
 
     def add(self, m: Message) -> None:
-        text = m.text
-        if m.role == "tool":
-            first = _first_line(text)
+        self.add_text(m.turn, m.role, m.text)
+
+    def add_text(self, turn: int, role: str, text: str) -> None:
+        """`add(Message(turn, role, text))` without building the message."""
+        if role == "tool":
+            first = _first_line(text, 160)
             if first is not None:
-                self.tool_results = [*self.tool_results[-2:], first[:160]]
+                self.tool_results = [*self.tool_results[-2:], first]
             return
-        x = _extract(self.p, m.role, text)
+        x = _extract(self.p, role, text)
         if x.small_talk:
-            self.skipped.append((f"turn {m.turn}", "small_talk_only"))
+            self.skipped.append((f"turn {turn}", "small_talk_only"))
             return
         resolved_now = [phrase for k, phrase in x.deictics
-                        if self._resolve(self.p.deictics[k], phrase, m.turn)]
+                        if self._resolve(self.p.deictics[k], phrase, turn)]
         for rtype, value in x.refs:
-            self._mention(rtype, value, m.turn)
-        files = [v for t, v in x.refs if t == "file"]
-        if m.role == "user":
+            self._mention(rtype, value, turn)
+        files = [v for t, v in x.refs if t == "file"] if x.refs else ()
+        if role == "user":
             if self.pending_question is not None:
                 self.constraints.append(f"{self.pending_question} → {x.first_clause}")
                 self.pending_question = None
@@ -332,7 +343,7 @@ class Fold:
                 self.task_state = "created"
             if files and x.output:
                 self.output_file = files[-1]
-        elif m.role == "assistant":
+        elif role == "assistant":
             if x.ask and self.task_state in ("created", "in_progress"):
                 self.pending_question = x.question
                 self.task_state = "awaiting_user"
