@@ -169,22 +169,22 @@ def _extract_cached(role: str, text: str) -> _Extract:
     refs = tuple(_refs_in(p, text, mask)) if mask & bits["refs"] else ()
     if role != "user":
         return _Extract(
-            False, (), refs, False,
-            bool(mask & bits["ask"]) and p.ask.search(text) is not None,
-            bool(mask & bits["close"]) and p.close.search(text) is not None,
-            False, _sentences_with_question(text), "")
+            small_talk=False, deictics=(), refs=refs, create=False,
+            ask=bool(mask & bits["ask"]) and p.ask.search(text) is not None,
+            close=bool(mask & bits["close"]) and p.close.search(text) is not None,
+            output=False, question=_sentences_with_question(text), first_clause="")
     return _Extract(
-        p.small_talk.match(text) is not None,
+        small_talk=p.small_talk.match(text) is not None,
         # a phrase the pattern matches in any case is one phrase ("It" at a sentence's
         # start is "it"): one entry in the note, not one per spelling
-        tuple((k, m.group(0).lower() if pat.flags & re.IGNORECASE else m.group(0))
-              for k, pat, bit in p.deictic_bits if mask & bit for m in pat.finditer(text))
-        if mask & bits["deictics"] else (),
-        refs,
-        bool(mask & bits["create"]) and p.create.search(text) is not None,
-        False, False,
-        bool(mask & bits["output_verbs"]) and p.output_verbs.search(text) is not None,
-        "", _first_clause(text))
+        deictics=tuple((k, m.group(0).lower() if pat.flags & re.IGNORECASE else m.group(0))
+                       for k, pat, bit in p.deictic_bits if mask & bit
+                       for m in pat.finditer(text)) if mask & bits["deictics"] else (),
+        refs=refs,
+        create=bool(mask & bits["create"]) and p.create.search(text) is not None,
+        ask=False, close=False,
+        output=bool(mask & bits["output_verbs"]) and p.output_verbs.search(text) is not None,
+        question="", first_clause=_first_clause(text))
 
 
 class Fold:
