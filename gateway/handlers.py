@@ -148,6 +148,7 @@ def intercept(wire: Wire) -> Handler:
         session = ""
         raw: bytes | None = None
         deferred = False
+        measuring: asyncio.Future[tuple[dict[str, Any], dict[str, Any]]] | None = None
         try:
             try:
                 raw = await read_body(request, rules.max_body_bytes)
@@ -163,6 +164,9 @@ def intercept(wire: Wire) -> Handler:
                     d = await _with_recall(state, rules, wire, d, tenant, session)
                 up = rules.upstream_for(request.path, d.model)
                 overhead_ms = (time.perf_counter() - t0) * 1000
+                # measured while the upstream answers: the loop would wait for it otherwise
+                measuring = asyncio.ensure_future(
+                    _measure(state, request, tenant, session, wire, d, rid))
                 return await relay(request, state.pool, up, d.forward, info)
             except GatewayError as err:
                 info.status = err.status
@@ -179,8 +183,9 @@ def intercept(wire: Wire) -> Handler:
                 except GatewayError:  # cannot happen without metadata; measured as skipped
                     d = None
             account = _account(state, request, tenant, session, wire, d, info,
-                               overhead_ms, rid)
+                               overhead_ms, rid, measuring)
             if state.sessions.backend == "memory" and (
+                    measuring is None or measuring.done()) and (
                     d is None or d.uncounted_chars() <= OFFLOAD_CHARS):
                 await account  # never yields: nothing to cancel
             else:
@@ -233,11 +238,16 @@ def _decide(
 async def _account(
     state: GatewayState, request: web.Request, tenant: str, session: str, wire: Wire,
     d: Decision | None, info: Relayed, overhead_ms: float, rid: str,
+    measuring: asyncio.Future[tuple[dict[str, Any], dict[str, Any]]] | None,
 ) -> None:
     try:
-        if not session:  # the body never arrived: the session is what the headers say
-            session = _session(request, state.rules.session_header, None, None, tenant)
-        await _log_mem(state, request, tenant, session, wire, d, info, overhead_ms, rid)
+        if measuring is not None:  # started while the upstream answered
+            measured = await measuring
+        else:
+            if not session:  # the body never arrived: the session is what the headers say
+                session = _session(request, state.rules.session_header, None, None, tenant)
+            measured = await _measure(state, request, tenant, session, wire, d, rid)
+        _log_mem(state, wire, d, info, overhead_ms, rid, measured)
     except Exception as exc:  # noqa: BLE001 - accounting must never fail a request
         state.log.error("mem_log_failed", error=type(exc).__name__, detail=str(exc)[:200],
                         req=rid)
@@ -262,39 +272,35 @@ async def _with_recall(
     return again
 
 
-async def _log_mem(
+async def _measure(
     state: GatewayState,
     request: web.Request,
     tenant: str,
     session: str,
     wire: Wire,
     d: Decision | None,
-    info: Relayed,
-    overhead_ms: float,
     rid: str,
-) -> None:
-    log = state.log
-    fields: dict[str, Any] = {"session": session}
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the [mem] line says about the request itself, before and after the fields
+    about its answer (status, timings), and the bookkeeping that needs only the
+    decision: session record, archive, snapshot, history cache. Started while the
+    upstream answers, so a client's next request does not wait for it."""
+    head: dict[str, Any] = {"session": session}
+    tail: dict[str, Any] = {}
     debug = state.rules.log_level == "debug"
     if d is not None and d.conv is not None and d.messages:
-        fields.update(await _measure_session(state, tenant, session, d, debug))
+        head.update(await _measure_session(state, tenant, session, d, debug))
     else:
-        fields.update(mem_fields(d, include_indices=debug))
-    fields.update(
-        mode=d.mode if d is not None else state.rules.memory.mode,
-        model=d.model if d is not None else None,
-        status=info.status or 499,
-        upstream_ms=round(info.upstream_ms, 2),
-        overhead_ms=round(overhead_ms, 2),
-        req=rid,
-    )
+        head.update(mem_fields(d, include_indices=debug))
     if wire is not OPENAI_CHAT:
-        fields["api"] = wire.name
+        tail["api"] = wire.name
     if wire.approx_tokens:
-        fields["tokenizer"] = "approx"
-    if d is not None and d.recalled:
-        fields["recalled"] = len(d.recalled)
-    if (d is not None and d.plan is not None and d.mode == "on"
+        tail["tokenizer"] = "approx"
+    if d is None:
+        return head, tail
+    if d.recalled:
+        tail["recalled"] = len(d.recalled)
+    if (d.plan is not None and d.mode == "on"
             and state.rules.store.archive != "off" and state.memory is not None):
         agent = request.headers.get("X-Agent-Id", "") or "default"
         # turns starting before `since` were archived by the session's earlier requests
@@ -302,31 +308,56 @@ async def _log_mem(
         entry = d.view.entry if d.view is not None else None
         since = entry.archived_upto if entry is not None else 0
         records, upto = archive_records(d, tenant, session, agent, state.rules.store, since)
-        fields["archived"] = queued = state.memory.archive(records)
+        tail["archived"] = queued = state.memory.archive(records)
         if entry is not None and queued == len(records):
             entry.archived_upto = upto  # a full queue dropped them: all again next time
-    if d is not None and d.note is not None and d.snapshot is not None:
-        fields["carried"] = d.snapshot.count
+    if d.note is not None and d.snapshot is not None:
+        tail["carried"] = d.snapshot.count
         await state.sessions.put_snapshot(tenant, session, d.snapshot.fields)
         if state.rules.memory.carry.log_skipped:
             for what, reason in d.snapshot.skipped:
-                log.info("carry_skip", session=session, field=what, reason=reason, req=rid)
-    if d is not None and d.cache_marker_dropped:
-        fields["cache_marker_dropped"] = True
+                state.log.info("carry_skip", session=session, field=what, reason=reason,
+                               req=rid)
+    if d.cache_marker_dropped:
+        tail["cache_marker_dropped"] = True
         if d.cache_marker_moved:
-            fields["cache_marker"] = "moved"
+            tail["cache_marker"] = "moved"
+    if (d.view is not None and d.view.entry is not None
+            and state.history_cache is not None):  # only ever saves the next parse
+        state.history_cache.remember((tenant, session), d.raw, d.payload, d.messages,
+                                     d.spliced_from, scan=d.mode != "on")
+    return head, tail
+
+
+def _log_mem(
+    state: GatewayState,
+    wire: Wire,
+    d: Decision | None,
+    info: Relayed,
+    overhead_ms: float,
+    rid: str,
+    measured: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    """The [mem] line, the capture and the metrics: what needs the answer too."""
+    head, tail = measured
+    fields = {
+        **head,
+        "mode": d.mode if d is not None else state.rules.memory.mode,
+        "model": d.model if d is not None else None,
+        "status": info.status or 499,
+        "upstream_ms": round(info.upstream_ms, 2),
+        "overhead_ms": round(overhead_ms, 2),
+        "req": rid,
+        **tail,
+    }
     if info.stream != "complete":
         fields["stream"] = info.stream
-    log.info("mem", **fields)
+    state.log.info("mem", **fields)
     if d is not None:
         state.capture.offer(state.rules.capture, rid, capture_record(
             fields, wire.name, d.raw, d.payload is not None, d.forward))
     state.metrics.observe(wire.name, fields["mode"], d, info, overhead_ms / 1000,
                           fields.get("est_tokens") if d is not None and d.conv else None)
-    if (d is not None and d.view is not None and d.view.entry is not None
-            and state.history_cache is not None):  # last: only ever saves the next parse
-        state.history_cache.remember((tenant, session), d.raw, d.payload, d.messages,
-                                     d.spliced_from, scan=d.mode != "on")
 
 
 async def _measure_session(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -51,6 +52,38 @@ async def test_cut_kept_and_moved_follow_the_forwarded_prefix(
             assert int(ev["prefix_tokens"]) > 0
         elif ev["cut"] == "moved":
             assert cur[: len(prev)] != prev
+
+
+async def test_next_request_sent_while_the_answer_is_held_sees_the_cut(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """A session's bookkeeping is done while the upstream answers: a request sent while the
+    previous one's answer is still on its way is compared with that request's cut (an agent
+    firing its next call early; it used to see no record and say cut=moved)."""
+    gw = await gateway(memory={"enable_eviction": True, "budget": BUDGET})
+    reqs = growing_requests()
+    for body in reqs:
+        await send(gw.url, body, session="probe")
+    probe = gw.mem_events()
+    k = next(i for i in range(1, len(probe) - 1)
+             if probe[i]["cut"] != "none" and probe[i + 1]["cut"] == "kept")
+    upstream.holds = {b"held-answer": asyncio.Event()}
+    first = asyncio.create_task(send(gw.url, {**reqs[k], "user": "held-answer"}, "early"))
+    try:
+        for _ in range(500):
+            if b"held-answer" in upstream.received[-1]["raw"]:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the first request never reached the upstream")
+        await send(gw.url, reqs[k + 1], session="early")
+        events = await gw.wait_mem(len(probe) + 1)
+        assert events[-1]["session"] == "early"
+        assert events[-1]["cut"] == "kept"
+        assert events[-1]["prefix_tokens"] == probe[k + 1]["prefix_tokens"]
+    finally:
+        upstream.holds[b"held-answer"].set()
+    await first
 
 
 async def test_est_tokens_reused_from_the_session_equals_a_full_count(
