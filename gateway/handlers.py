@@ -28,8 +28,8 @@ from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
 
 _RID = re.compile(r"[^A-Za-z0-9._-]")
-# a history with more uncounted text than this is token-counted for the [mem] line in a
-# worker thread (after the response, off the event loop)
+# a history with more uncounted text than this is token-counted for the [mem] line on the
+# gateway's counting thread (while the upstream answers, off the event loop)
 OFFLOAD_CHARS = 65_536
 
 

@@ -46,7 +46,7 @@ class Entry:
     fold: Fold | None = None  # carry-over fold after items[:start] (grouped messages)
     archived_upto: int = 0  # the complete turns starting before this item are archived
     # where the next body's new bytes may start: this request's record once made
-    # (after the response), until then the one the previous entry had
+    # (while the upstream answers), until then the one the previous entry had
     reuse: Reuse | None = None
 
 
