@@ -222,8 +222,10 @@ async def test_burst_of_big_cold_histories_counted_on_one_thread(gateway: Any, u
         want[f"b{k}"] = direct.est_tokens()
     got = {ev["session"]: int(ev["est_tokens"]) for ev in lines}
     assert got == want
-    new = [t for t in threading.enumerate() if t.ident not in before]
-    assert [t.name.split("_")[0] for t in new] == ["memgate-count"]
+    # (the store's own writes may start a default-executor thread: not counted here)
+    counting = [t for t in threading.enumerate()
+                if t.ident not in before and t.name.startswith("memgate-count")]
+    assert len(counting) == 1
 
 
 @pytest.mark.parametrize("low_water", [0.3, 0.6])
