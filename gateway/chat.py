@@ -233,9 +233,9 @@ def decide(
     if d.mode != "off" and d.skip_reason is None:
         prules = plan_rules(rules, d.budget_tokens)
         overhead = d.overhead_tokens() if d.budget_tokens is not None else 0
-        key = (d.counter, d.token_factor)
+        counted_by = (d.counter, d.token_factor)  # not the session `key`
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
-                      tokens_upper_bound=_bytes_bound(raw, d), tokens_key=key)
+                      tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by)
         if d.mode == "on" and (d.plan.dropped or recalled) and _carry_note(
                 d, rules, items, recalled):
             # the note is counted into the budget: plan again unless it fits the slack
@@ -244,7 +244,7 @@ def decide(
             narrower = _minus_note(prules, d)
             if not _fits(d.plan, narrower.limits):
                 d.plan = plan(d.conv, narrower, d.message_tokens, overhead_tokens=overhead,
-                              tokens_key=key)
+                              tokens_key=counted_by)
         if (
             d.mode == "on"
             and d.plan.over_budget

@@ -42,7 +42,7 @@ class Entry:
     start: int  # the last turn start of `items`
     size: int
     tokens: list[int] = field(default_factory=list)  # per item, -1 = not counted
-    token_key: tuple[int, float] = (0, 1.0)  # (id of the counter, token factor)
+    token_key: tuple[Any, float] = (None, 1.0)  # (the counter, token factor) they came from
     fold: Fold | None = None  # carry-over fold after items[:start] (grouped messages)
     archived_upto: int = 0  # the complete turns starting before this item are archived
     # where the next body's new bytes may start: this request's record once made
