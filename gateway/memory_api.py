@@ -100,9 +100,20 @@ def routes(service_of: Any, rules_of: Any) -> list[web.RouteDef]:
             return got
         tenant, body = got
         rules: StoreRules = rules_of(request)
-        items = body.get("records") if isinstance(body, dict) and "records" in body else [body]
+        batch = isinstance(body, dict) and "records" in body
+        items = body["records"] if batch else [body]
+        if not isinstance(items, list) or not items:
+            return _error(400, "records: must be a non-empty list of record objects",
+                          "invalid_record")
         try:
-            records = [build_record(b, tenant, rules) for b in items]
+            records = []
+            for i, b in enumerate(items):
+                try:
+                    records.append(build_record(b, tenant, rules))
+                except StoreError as exc:  # say which record of a batch (none is written)
+                    if batch:
+                        exc.message = f"records[{i}]: {exc.message}"
+                    raise
             store = await service_of(request).get_store(rules)
         except StoreError as exc:
             return _error(exc.status, exc.message, "invalid_record" if exc.status != 413

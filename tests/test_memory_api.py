@@ -60,6 +60,35 @@ async def test_write_search_get_delete_and_tenants(
     assert (await call("GET", f"{base}/{mid}", headers=AUTH))[0] == 404
 
 
+async def test_batch_write_errors_name_the_record_and_write_nothing(
+    gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """`{"records": ...}` that is not a non-empty list, or holds a bad record, is a 400 in
+    the API's error shape that says which record; a rejected batch writes none of them."""
+    gw = await gateway(store={"path": str(tmp_path / "m.db")})
+    base = f"{gw.url}/v1/memories"
+    good = {"memory_type": "turn", "agent_id": "a1", "session_id": "s-batch",
+            "ts": "2026-11-29T10:00:00Z",
+            "user_text": "the budget is 40k", "assistant_text": "noted"}
+    for records in (None, 5, "abc", {"a": 1}, []):
+        status, err = await call("POST", base, {"records": records}, AUTH)
+        assert status == 400, records
+        assert err["error"]["code"] == "invalid_record"
+        assert err["error"]["message"] == "records: must be a non-empty list of record objects"
+    status, err = await call("POST", base, {"records": [good, {**good, "ts": "yesterday"}]},
+                             AUTH)
+    assert status == 400 and err["error"]["message"].startswith("records[1]: ts")
+    status, err = await call("POST", base, {"records": [good, "x"]}, AUTH)
+    assert status == 400 and err["error"]["message"] == "records[1]: body must be a JSON object"
+    search = {"filter": {"session_id": "s-batch"}, "query": "budget"}
+    status, found = await call("POST", f"{base}/search", search, AUTH)
+    assert status == 200 and found["results"] == []  # the good record was not written either
+    status, made = await call("POST", base, {"records": [good]}, AUTH)
+    assert status == 201 and len(made["records"]) == 1
+    status, found = await call("POST", f"{base}/search", search, AUTH)
+    assert [r["memory_id"] for r in found["results"]] == [made["records"][0]["memory_id"]]
+
+
 def conversation(turns: int = 30) -> list[dict[str, Any]]:
     msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are helpful."},
                                   {"role": "user", "content": "Our launch codename is BLUEHERON "
