@@ -8,8 +8,11 @@ off, then on with a budget that evicts medium and larger payloads) as separate
 processes, and reports per payload size the p50 latency at concurrency 1, the
 throughput at concurrency 16 and the target's CPU time per request under that
 load (the steadiest of the three on a shared machine) as ratios against the
-passthrough measured in the same run; then a growing session (gateway CPU per request at turn 10 vs
-turn 1,000, warm) and a cold 1 MB history (time to first byte, nothing cached).
+passthrough measured in the same run, and memgate's own time before forwarding
+(`overhead_ms` of its [mem] lines: what a client waiting on a real LLM pays;
+the latency above also holds the bookkeeping after each fast answer); then a
+growing session (gateway CPU per request at turn 10 vs turn 1,000, warm) and a
+cold 1 MB history (time to first byte, nothing cached).
 Bounded in time; everything stops by itself.
 """
 
@@ -24,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -106,11 +110,16 @@ def body(msgs: list[dict[str, Any]], tag: str = "") -> bytes:
 
 
 class Proc:
-    def __init__(self, args: list[str], port: int, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], port: int, env: dict[str, str] | None = None,
+                 log: Path | None = None) -> None:
         self.port = port
+        self.log = log  # the target's stderr: memgate's JSON log lines
+        err = log.open("wb") if log is not None else subprocess.DEVNULL
         self.p = subprocess.Popen(args, env={**os.environ, **(env or {})},
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=err,
                                   start_new_session=True)
+        if log is not None:
+            err.close()  # the child holds its own copy
         deadline = time.time() + 30
         while time.time() < deadline:
             with socket.socket() as s:
@@ -118,6 +127,19 @@ class Proc:
                     return
             time.sleep(0.05)
         raise RuntimeError(f"{args} did not start")
+
+    def log_size(self) -> int:
+        return self.log.stat().st_size if self.log is not None else 0
+
+    def overhead_ms(self, since: int) -> float:
+        """Median `overhead_ms` (time before forwarding) of the [mem] lines written after
+        byte `since` of the log."""
+        assert self.log is not None
+        with self.log.open("rb") as f:
+            f.seek(since)
+            vals = [ev["overhead_ms"] for ev in map(orjson.loads, f.read().splitlines())
+                    if ev.get("event") == "mem"]
+        return statistics.median(vals) if vals else float("nan")
 
     def cpu_s(self) -> float:
         fields = Path(f"/proc/{self.p.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -182,6 +204,7 @@ def main() -> None:
     up = Proc([py, "-c", UPSTREAM, str(port := free_port())], port)
     upstream = f"http://127.0.0.1:{up.port}"
     procs = [up]
+    logs = tempfile.TemporaryDirectory(prefix="memgate-bench-")
     try:
         pt = Proc([py, "-c", PASSTHROUGH, str(p := free_port()), upstream], p)
         procs.append(pt)
@@ -191,18 +214,23 @@ def main() -> None:
             port = free_port()
             targets[name] = Proc([py, "-m", "gateway", "serve", "--port", str(port),
                                   "--upstream", upstream], port, {**env, "MEMGATE_LOG_FORMAT":
-                                                                  "json"})
+                                                                  "json"},
+                                 log=Path(logs.name) / f"{name}.log")
             procs.append(targets[name])
         payloads = {k: body(history(n)) for k, n in SIZES.items()}
         print(f"{'payload':<8} {'bytes':>9} | " + " | ".join(
             f"{t:>11} p50 ms  rps" for t in targets)
-            + " | on/pt p50  on/pt rps  on/pt cpu  off/pt p50")
+            + " | on/pt p50  on/pt rps  on/pt cpu  off/pt p50  on pre-forward ms")
         for name, payload in payloads.items():
             row = {}
+            pre_forward = float("nan")
             for t, proc in targets.items():
                 url = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
                 asyncio.run(latency(url, payload, 0.5))  # warm-up
+                since = proc.log_size()
                 lat = asyncio.run(latency(url, payload, args.seconds))
+                if t == "memgate-on":  # what a client waiting on a real LLM pays
+                    pre_forward = proc.overhead_ms(since)
                 c0 = proc.cpu_s()
                 rps = asyncio.run(throughput(url, payload, args.seconds))
                 # the target's CPU per request under load: steadier than latency on a busy box
@@ -212,7 +240,7 @@ def main() -> None:
             print(f"{name:<8} {len(payload):>9} | " + " | ".join(
                 f"{lat:>11.3f} {rps:>8.0f}" for lat, rps, _ in row.values())
                 + f" | {on_l / pt_l:>9.2f} {on_r / pt_r:>10.2f} {on_c / pt_c:>10.2f}"
-                  f" {row['memgate-off'][0] / pt_l:>11.2f}")
+                  f" {row['memgate-off'][0] / pt_l:>11.2f} {pre_forward:>18.3f}")
         print("\ngrowing session, warm: CPU per request, each request = the previous history"
               " + one turn (5 warm-up requests, then 100 measured); every user turn names a"
               " file of its own, as an agent's do")
@@ -265,6 +293,7 @@ def main() -> None:
     finally:
         for p in procs:
             p.stop()
+        logs.cleanup()
 
 
 if __name__ == "__main__":
