@@ -266,9 +266,7 @@ class Fold:
         if not rules.no_pending_reference:
             return
         oldest = turn - rules.ref_ttl_turns
-        live = set(self.resolved.values())
-        if self.output_file:
-            live.add(self.output_file)
+        live = self._named(output=True)  # a later snapshot may carry the output file
         stale = []
         for ref in self.refs.values():  # mention order: the stale refs come first
             if ref.last_turn >= oldest:
@@ -278,6 +276,14 @@ class Fold:
         for ref in stale:
             if ref not in self._latest(ref.type, 2):
                 self._forget(ref)
+
+    def _named(self, output: bool) -> set[str]:
+        """The ref values kept however old: what a resolved phrase names, and the output
+        file when `output`."""
+        live = set(self.resolved.values())
+        if output and self.output_file:
+            live.add(self.output_file)
+        return live
 
     def _latest(self, rtype: str, n: int) -> list[_Ref]:
         """The last n refs of a type (fewer if there are not so many), oldest first."""
@@ -394,9 +400,7 @@ class Fold:
         if not rules.no_pending_reference:
             return list(refs.values())
         oldest = current_turn - rules.ref_ttl_turns  # fresh: last mentioned at or after
-        live = set(self.resolved.values())
-        if self.output_file and "output_file" in out:
-            live.add(self.output_file)
+        live = self._named(output="output_file" in out)
         if left_out is not None:  # every ref is looked at anyway: one pass in order
             kept = []
             for ref in refs.values():
