@@ -184,9 +184,12 @@ def intercept(wire: Wire) -> Handler:
                     d = None
             account = _account(state, request, tenant, session, wire, d, info,
                                overhead_ms, rid, measuring)
-            if state.sessions.backend == "memory" and (
-                    measuring is None or measuring.done()) and (
-                    d is None or d.uncounted_chars() <= OFFLOAD_CHARS):
+            if measuring is not None:  # what is left to await is the measuring
+                inline = measuring.done()
+            else:  # measured here: with shared state or a big count it awaits
+                inline = state.sessions.backend == "memory" and (
+                    d is None or d.uncounted_chars() <= OFFLOAD_CHARS)
+            if inline:
                 await account  # never yields: nothing to cancel
             else:
                 # a client that closes its connection right after the body cancels this
