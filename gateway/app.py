@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from . import logging as mglog
+from .backends import Backend
 from .capture import Capture
 from .errors import RulesError
 from .history import HistoryCache
@@ -34,6 +35,7 @@ class GatewayState:
     reloader: Reloader
     tokenizers: Tokenizers
     sessions: MemoryState | RedisState
+    store_health: Backend  # recall and the archive writer call the store through it
     history: HistoryCache = field(default_factory=lambda: HistoryCache(0, 0))
     metrics: Metrics = field(default_factory=Metrics)
     capture: Capture = field(default_factory=Capture)
@@ -73,13 +75,17 @@ def _preload_tokenizers(state: GatewayState, rules: Rules) -> None:
                        fallback=actual != wanted, models=",".join(models))
 
 
-def _session_state(rules: Rules, env: Mapping[str, str]) -> MemoryState | RedisState:
-    if rules.state.backend == "redis":
-        url = env.get(rules.state.redis_url_env, "")
+def _session_state(
+    rules: Rules, env: Mapping[str, str], log: Callable[[], Any]
+) -> MemoryState | RedisState:
+    st = rules.state
+    if st.backend == "redis":
+        url = env.get(st.redis_url_env, "")
         if not url:
-            raise RulesError("env", None, rules.state.redis_url_env,
+            raise RulesError("env", None, st.redis_url_env,
                              "state.backend is redis but the Redis URL is not set")
-        return RedisState(url, rules.state.ttl_s, rules.state.key_prefix)
+        return RedisState(url, st.ttl_s, st.key_prefix, Backend("redis", log, st.retry_after_s),
+                          st.connect_timeout_s, st.read_timeout_s)
     return MemoryState(rules.max_tracked_sessions)
 
 
@@ -108,12 +114,15 @@ def create_app(
     state = GatewayState(
         reloader=reloader,
         tokenizers=Tokenizers(rules.token_cache_size),
-        sessions=_session_state(rules, env or {}),
+        sessions=_session_state(rules, env or {}, lambda: state.log),
+        store_health=Backend("store", lambda: state.log),
         history=HistoryCache(rules.history_cache_mb << 20, rules.max_tracked_sessions),
         log=log,
     )
     state.memory = MemoryService(env or {}, log)
     state.metrics.watch_history(state.history)
+    state.metrics.watch_backends([state.store_health, *(
+        [state.sessions.health] if isinstance(state.sessions, RedisState) else [])])
 
     # the body limit is enforced per request from the live rules (it can be reloaded)
     app = web.Application(client_max_size=1 << 40)
@@ -127,7 +136,7 @@ def create_app(
         writer = asyncio.create_task(state.capture.run())
         memory = state.memory
         assert memory is not None
-        archiver = asyncio.create_task(memory.run_writer(state.rules.store))
+        archiver = asyncio.create_task(memory.run_writer(state.rules.store, state.store_health))
         loop = asyncio.get_running_loop()
         hup = False
         try:

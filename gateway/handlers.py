@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import os
 import re
@@ -15,14 +16,14 @@ from aiohttp import web
 
 from . import splice
 from .app import STATE, GatewayState
+from .backends import BackendDown
 from .capture import record as capture_record
 from .chat import Decision, decide
 from .errors import ApiFlavor, GatewayError, PayloadTooLarge, render_error
-from .recall import archive_records, recall
+from .recall import GuardedStore, archive_records, recall
 from .rules import Rules
 from .session import session_id, tenant_of
-from .state import SessionRecord, compare_cut, fingerprint, known_prefix
-from .store import StoreError
+from .state import RedisState, SessionRecord, compare_cut, fingerprint, known_prefix
 from .upstream import Relayed, relay
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
@@ -149,6 +150,7 @@ def intercept(wire: Wire) -> Handler:
         raw: bytes | None = None
         deferred = False
         measuring: asyncio.Future[tuple[dict[str, Any], dict[str, Any]]] | None = None
+        recall_failed = False
         try:
             try:
                 raw = await read_body(request, rules.max_body_bytes)
@@ -161,12 +163,13 @@ def intercept(wire: Wire) -> Handler:
                                        raw, info)
                 d, session = _decide(state, request, rules, wire, raw, tenant)
                 if rules.store.recall_enabled and d.mode == "on" and d.plan is not None:
-                    d = await _with_recall(state, rules, wire, d, tenant, session)
+                    d, recall_failed = await _with_recall(state, rules, wire, d, tenant,
+                                                          session)
                 up = rules.upstream_for(request.path, d.model)
                 overhead_ms = (time.perf_counter() - t0) * 1000
                 # measured while the upstream answers: the loop would wait for it otherwise
                 measuring = asyncio.ensure_future(
-                    _measure(state, request, tenant, session, wire, d, rid))
+                    _measure(state, request, tenant, session, wire, d, rid, recall_failed))
                 return await relay(request, state.pool, up, d.forward, info)
             except GatewayError as err:
                 info.status = err.status
@@ -198,7 +201,10 @@ def intercept(wire: Wire) -> Handler:
                 task = asyncio.ensure_future(account)
                 state.background.add(task)
                 task.add_done_callback(state.background.discard)
-                await asyncio.shield(task)
+                if state.sessions.backend == "memory":  # counting: CPU, bounded
+                    await asyncio.shield(task)
+                # waiting on Redis would hold the client's keep-alive connection: its
+                # answer is complete already, the [mem] line follows within the timeouts
 
     return handle
 
@@ -258,21 +264,19 @@ async def _account(
 
 async def _with_recall(
     state: GatewayState, rules: Rules, wire: Wire, d: Decision, tenant: str, session: str
-) -> Decision:
-    """Plan again with the records recalled for the latest question in the note."""
-    assert state.memory is not None
-    try:
-        store = await state.memory.get_store(rules.store)
-    except (StoreError, OSError) as exc:  # recall degrades to this request's dropped turns
-        state.log.error("recall_store_unavailable", error=str(exc)[:200])
-        store = None
+) -> tuple[Decision, bool]:
+    """Plan again with the records recalled for the latest question in the note; and
+    whether the store failed (recall then brings back only the turns this request drops)."""
+    memory = state.memory
+    assert memory is not None
+    store = GuardedStore(functools.partial(memory.get_store, rules.store), state.store_health)
     recalled = await recall(store, rules.store, tenant, session, d)
     if not recalled:
-        return d
+        return d, store.failed
     again = decide(d.raw, d.payload, rules, state.tokenizers, wire, recalled=recalled,
                    history=state.history_cache, key=(tenant, session))
     again.spliced_from = d.spliced_from
-    return again
+    return again, store.failed
 
 
 async def _measure(
@@ -283,11 +287,13 @@ async def _measure(
     wire: Wire,
     d: Decision | None,
     rid: str,
+    recall_failed: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What the [mem] line says about the request itself, before and after the fields
     about its answer (status, timings), and the bookkeeping that needs only the
     decision: session record, archive, snapshot, history cache. Started while the
-    upstream answers, so a client's next request does not wait for it."""
+    upstream answers, so a client's next request does not wait for it. A state backend
+    that fails marks its fields missing (`state=unavailable`), never the line."""
     head: dict[str, Any] = {"session": session}
     tail: dict[str, Any] = {}
     debug = state.rules.log_level == "debug"
@@ -303,6 +309,8 @@ async def _measure(
         return head, tail
     if d.recalled:
         tail["recalled"] = len(d.recalled)
+    if recall_failed:
+        tail["recall"] = "failed"
     if (d.plan is not None and d.mode == "on"
             and state.rules.store.archive != "off" and state.memory is not None):
         agent = request.headers.get("X-Agent-Id", "") or "default"
@@ -316,7 +324,10 @@ async def _measure(
             entry.archived_upto = upto  # a full queue dropped them: all again next time
     if d.note is not None and d.snapshot is not None:
         tail["carried"] = d.snapshot.count
-        await state.sessions.put_snapshot(tenant, session, d.snapshot.fields)
+        try:
+            await state.sessions.put_snapshot(tenant, session, d.snapshot.fields)
+        except BackendDown:  # counted and logged by the breaker
+            head["state"] = "unavailable"
         if state.rules.memory.carry.log_skipped:
             for what, reason in d.snapshot.skipped:
                 state.log.info("carry_skip", session=session, field=what, reason=reason,
@@ -373,7 +384,11 @@ async def _measure_session(
     with last time (cut=none|kept|moved, prefix_tokens).
     """
     msgs = d.messages
-    prev = await state.sessions.get_record(tenant, session)
+    state_ok = True
+    try:
+        prev = await state.sessions.get_record(tenant, session)
+    except BackendDown:  # measured as a first request; what needs the record is unknown
+        prev, state_ok = None, False
     known, known_tokens = known_prefix(prev, msgs)
     grown = prev is not None and known == prev.n_messages
     if d.uncounted_chars() > OFFLOAD_CHARS:
@@ -386,18 +401,25 @@ async def _measure_session(
     on = d.plan is not None and d.mode == "on"
     kept = d.plan.kept if on and d.plan is not None else tuple(range(len(msgs)))
     cut = on and d.plan is not None and bool(d.plan.dropped)
-    if on:
+    if on and state_ok:
         status, same = compare_cut(prev, grown, kept, cut)
         fields.update(cut=status, prefix_tokens=sum(d.message_tokens(i) for i in kept[:same]))
+    elif on:
+        fields["cut"] = "unknown"
     n = len(msgs)
-    await state.sessions.put_record(
-        tenant, session,
-        SessionRecord(
-            kept=kept, n_messages=n, last=fingerprint(msgs[-1]), cut=cut, msg_tokens=msg_tokens,
-            before_last=fingerprint(msgs[-2]) if n > 1 else b"",
-            msg_tokens_before_last=msg_tokens - d.message_tokens(n - 1),
-        ),
-    )
+    try:
+        await state.sessions.put_record(
+            tenant, session,
+            SessionRecord(
+                kept=kept, n_messages=n, last=fingerprint(msgs[-1]), cut=cut,
+                msg_tokens=msg_tokens, before_last=fingerprint(msgs[-2]) if n > 1 else b"",
+                msg_tokens_before_last=msg_tokens - d.message_tokens(n - 1),
+            ),
+        )
+    except BackendDown:
+        state_ok = False
+    if not state_ok:
+        fields["state"] = "unavailable"
     return fields
 
 
@@ -465,7 +487,12 @@ async def admin_session_memory(request: web.Request) -> web.Response:
                                             "type": "gateway_error", "code": "unauthorized"}},
                                  status=401)
     session = request.match_info["session"]
-    found = await state.sessions.find_snapshots(session)
+    try:
+        found = await state.sessions.find_snapshots(session)
+    except BackendDown as exc:
+        return web.json_response({"error": {"message": f"session state unavailable: {exc}",
+                                            "type": "gateway_error",
+                                            "code": "backend_unavailable"}}, status=503)
     if not found:
         return web.json_response({"error": {"message": f"no snapshot for session {session!r}",
                                             "type": "gateway_error", "code": "not_found"}},
@@ -479,14 +506,39 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    rules = request.app[STATE].rules
+    """503 only when the gateway cannot forward (no upstream). A backend that is down
+    degrades a feature, not forwarding: the replica stays in rotation and the body says
+    `degraded`, with each backend's state and the last config reload."""
+    state: GatewayState = request.app[STATE]
+    rules = state.rules
     ok = bool(rules.upstreams) and all(u.base_url for u in rules.upstreams)
-    return web.json_response(
-        {
-            "status": "ready" if ok else "not_ready",
-            "config": rules.source,
-            "mode": rules.memory.mode,
-            "upstreams": [u.name for u in rules.upstreams],
-        },
-        status=200 if ok else 503,
-    )
+    backends = {"state": await _state_status(state), "store": {
+        "backend": rules.store.backend, "opened": state.memory is not None
+        and state.memory.store is not None, **state.store_health.status()}}
+    body: dict[str, Any] = {
+        "status": "not_ready" if not ok else "ready",
+        "config": rules.source,
+        "mode": rules.memory.mode,
+        "upstreams": [u.name for u in rules.upstreams],
+        "backends": backends,
+    }
+    last = state.reloader.last
+    if last is not None:
+        at, result, error = last
+        body["reload"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at)),
+                          "result": result, **({"error": error} if error else {})}
+    if ok and (any(b["status"] != "ok" for b in backends.values())
+               or (last is not None and last[1] == "failed")):
+        body["status"] = "degraded"
+    return web.json_response(body, status=200 if ok else 503)
+
+
+async def _state_status(state: GatewayState) -> dict[str, Any]:
+    sessions = state.sessions
+    if not isinstance(sessions, RedisState):
+        return {"backend": sessions.backend, "status": "ok"}
+    try:  # bounded by the Redis timeouts; not tried while the breaker is open
+        await sessions.ping()
+    except BackendDown:
+        pass
+    return {"backend": sessions.backend, **sessions.health.status()}

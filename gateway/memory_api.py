@@ -10,12 +10,14 @@ blocks a request, and the queue is flushed on shutdown.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from .backends import Backend, BackendDown
 from .session import credential, tenant_of
 from .store import Store, StoreError, StoreRules, build_filter, build_record, make_store
 from .store.model import Record
@@ -53,14 +55,14 @@ class MemoryService:
         self.queued += len(records)
         return len(records)
 
-    async def run_writer(self, rules: StoreRules) -> None:
+    async def run_writer(self, rules: StoreRules, health: Backend) -> None:
         while True:
             batch = await self.queue.get()
             try:
-                store = await self.get_store(rules)
-                self.written += await store.write(batch)
-            except Exception as exc:  # noqa: BLE001 - a store outage must not kill the writer
-                self.log.error("archive_failed", error=type(exc).__name__, records=len(batch))
+                store = await health.call("open", functools.partial(self.get_store, rules))
+                self.written += await health.call("archive", functools.partial(store.write, batch))
+            except BackendDown:  # counted and logged once per interval by the breaker; a
+                self.dropped += len(batch)  # store known to be down is not tried per batch
             finally:
                 self.queue.task_done()
 

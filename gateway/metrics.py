@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
+    from .backends import Backend
     from .chat import Decision
     from .history import HistoryCache
     from .upstream import Relayed
@@ -63,6 +64,10 @@ class Metrics:
     def watch_history(self, cache: HistoryCache) -> None:
         """Export the per-session history cache: hits, misses, entries, estimated bytes."""
         self.registry.register(_HistoryCollector(cache))
+
+    def watch_backends(self, backends: list[Backend]) -> None:
+        """Export each backend's failures by operation, skipped calls and breaker state."""
+        self.registry.register(_BackendCollector(backends))
 
     def _route(self, route: str) -> _Route:
         r = self._routes.get(route)
@@ -146,3 +151,30 @@ class _HistoryCollector:
         yield GaugeMetricFamily("memgate_history_cache_bytes",
                                 "Estimated memory held (bounded by session.history_cache_mb)",
                                 value=c.bytes)
+
+
+class _BackendCollector:
+    """Read at scrape time from the breakers: a failing backend costs no metric work per
+    request (labels: backend = redis | store, op = the backend operation, both bounded)."""
+
+    def __init__(self, backends: list[Backend]) -> None:
+        self.backends = backends
+
+    def collect(self) -> Iterator[Metric]:
+        errors = CounterMetricFamily("memgate_backend_errors",
+                                     "Backend calls that failed or timed out",
+                                     labels=["backend", "op"])
+        skipped = CounterMetricFamily("memgate_backend_skipped",
+                                      "Backend calls not made: it failed within retry_after_s",
+                                      labels=["backend"])
+        up = GaugeMetricFamily("memgate_backend_up",
+                               "1 while the backend answers, 0 while it is skipped",
+                               labels=["backend"])
+        for b in self.backends:
+            for op, n in sorted(b.errors.items()):
+                errors.add_metric([b.name, op], n)
+            skipped.add_metric([b.name], b.skipped)
+            up.add_metric([b.name], 1 if b.up else 0)
+        yield errors
+        yield skipped
+        yield up

@@ -13,14 +13,45 @@ import bisect
 import functools
 import hashlib
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+from .backends import Backend, BackendDown
 from .chat import Decision, current_turn_start
 from .state import fingerprint
 from .store import Store, StoreRules
 from .store.model import Filter, Record, build_record, format_ts, index_text, now_us, query_terms
 
 MAX_RECALLED_CHARS = 1000
+# the request waits for recall before it is forwarded: a slow store (a locked SQLite file
+# waits 5 s for its lock) costs it this much once, then the breaker skips the store
+RECALL_TIMEOUT_S = 0.5
+OPEN_TIMEOUT_S = 2.0  # opening may create the schema; a store that cannot open is skipped
+
+
+class Searcher(Protocol):
+    async def search(self, f: Filter) -> list[tuple[Record, float]]: ...
+
+
+class GuardedStore:
+    """The store as a chat request searches it: opened and searched through its breaker,
+    within the time bounds above. A failure is remembered (`failed`, for the [mem] line)
+    and answers no records: recall falls back to the turns this request drops."""
+
+    def __init__(self, open_store: Callable[[], Awaitable[Store]], health: Backend) -> None:
+        self.open_store = open_store
+        self.health = health
+        self.failed = False
+
+    async def search(self, f: Filter) -> list[tuple[Record, float]]:
+        try:
+            store = await self.health.call("open", self.open_store, OPEN_TIMEOUT_S)
+            return await self.health.call("search", functools.partial(store.search, f),
+                                          RECALL_TIMEOUT_S)
+        except BackendDown:
+            self.failed = True
+            return []
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +158,7 @@ def latest_question(d: Decision) -> str:
 
 
 async def recall(
-    store: Store | None, rules: StoreRules, tenant: str, session: str, d: Decision
+    store: Searcher | None, rules: StoreRules, tenant: str, session: str, d: Decision
 ) -> list[str]:
     """Texts to bring back for the latest question: archived and being-dropped turns."""
     query = latest_question(d)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ class Reloader:
         self.ok = 0
         self.failed = 0
         self._failing = False
+        self.last: tuple[float, str, str | None] | None = None  # /readyz: when, ok|failed, why
 
     def _files_of(self, rules: Rules) -> list[Path]:
         if self.config is None:
@@ -70,6 +72,7 @@ class Reloader:
         try:
             new = load_rules(self.config, self.env)
         except RulesError as exc:
+            self.last = (time.time(), "failed", str(exc))
             self.failed += 1
             self._failing = True
             self.on_result("failed")
@@ -78,6 +81,7 @@ class Reloader:
                 line=exc.line, key=exc.key, reason=exc.reason,
             )
             return False
+        self.last = (time.time(), "ok", None)
         old = self.rules
         self._files = self._files_of(new)
         self._sig = _signature(self._files)

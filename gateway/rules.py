@@ -113,6 +113,10 @@ class StateRules:
     redis_url_env: str = "MEMGATE_REDIS_URL"
     ttl_s: int = 86400
     key_prefix: str = "memgate"
+    # a Redis that refuses or hangs costs at most this per command, then is skipped
+    connect_timeout_s: float = 0.25
+    read_timeout_s: float = 0.5
+    retry_after_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -603,12 +607,17 @@ def build_rules(
     tokens = r.section(top.get("tokens"), "tokens", {"cache_size", "models_file", "approx_factor"})
 
     store = _parse_store(r, top.get("store"))
-    st = r.section(top.get("state"), "state", {"backend", "redis_url_env", "ttl_s", "key_prefix"})
+    st = r.section(top.get("state"), "state", {"backend", "redis_url_env", "ttl_s", "key_prefix",
+                                               "connect_timeout_s", "read_timeout_s",
+                                               "retry_after_s"})
     state = StateRules(
         backend=r.get(st, "state", "backend", _str(("memory", "redis")), "memory"),
         redis_url_env=r.get(st, "state", "redis_url_env", _str(), "MEMGATE_REDIS_URL"),
         ttl_s=r.get(st, "state", "ttl_s", _int(60), 86400),
         key_prefix=r.get(st, "state", "key_prefix", _str(), "memgate"),
+        connect_timeout_s=r.get(st, "state", "connect_timeout_s", _float(0.001, 60), 0.25),
+        read_timeout_s=r.get(st, "state", "read_timeout_s", _float(0.001, 60), 0.5),
+        retry_after_s=r.get(st, "state", "retry_after_s", _float(0.0, 3600), 5.0),
     )
     models: tuple[ModelInfo, ...] = ()
     default_encoding, default_window = "cl100k_base", 8192

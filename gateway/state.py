@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 
 import orjson
 
+from .backends import Backend
 
 T = TypeVar("T")
 
@@ -92,22 +93,38 @@ class MemoryState:
 
 
 class RedisState:
-    """Per-session state in Redis, shared by every replica (keys expire after ttl_s)."""
+    """Per-session state in Redis, shared by every replica (keys expire after ttl_s).
+
+    Every command is bounded by the connect and read timeouts, is not retried, and goes
+    through `health`: a Redis that refuses or hangs raises BackendDown quickly, then is
+    skipped for `retry_after_s`.
+    """
 
     backend = "redis"
 
-    def __init__(self, url: str, ttl_s: int, prefix: str = "memgate") -> None:
+    def __init__(self, url: str, ttl_s: int, prefix: str, health: Backend,
+                 connect_timeout_s: float, read_timeout_s: float) -> None:
         import redis.asyncio as redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
 
-        self.client = redis.from_url(url)
+        # redis-py's defaults (5 s socket timeout, 3 retries with backoff) held every
+        # request ~5 s behind a hung Redis; the breaker is what retries here
+        self.client = redis.from_url(url, socket_connect_timeout=connect_timeout_s,
+                                     socket_timeout=read_timeout_s, retry=Retry(NoBackoff(), 0))
         self.ttl_s = ttl_s
         self.prefix = prefix
+        self.health = health
+        # one command: a connect and one answer (the socket timeouts bound each read)
+        self.timeout_s = connect_timeout_s + read_timeout_s
 
     def _key(self, kind: str, tenant: str, session: str) -> str:
         return f"{self.prefix}:{kind}:{tenant}:{session}"
 
     async def get_record(self, tenant: str, session: str) -> SessionRecord | None:
-        raw = await self.client.get(self._key("rec", tenant, session))
+        raw = await self.health.call(
+            "get_record", lambda: self.client.get(self._key("rec", tenant, session)),
+            self.timeout_s)
         if raw is None:
             return None
         d = orjson.loads(raw)
@@ -121,21 +138,35 @@ class RedisState:
                               "cut": rec.cut, "tok": rec.msg_tokens,
                               "before_last": rec.before_last.hex(),
                               "tok_before_last": rec.msg_tokens_before_last})
-        await self.client.set(self._key("rec", tenant, session), value, ex=self.ttl_s)
+        await self.health.call(
+            "put_record",
+            lambda: self.client.set(self._key("rec", tenant, session), value, ex=self.ttl_s),
+            self.timeout_s)
 
     async def put_snapshot(self, tenant: str, session: str, fields: dict[str, Any]) -> None:
-        await self.client.set(self._key("snap", tenant, session), orjson.dumps(fields),
-                              ex=self.ttl_s)
+        await self.health.call(
+            "put_snapshot",
+            lambda: self.client.set(self._key("snap", tenant, session), orjson.dumps(fields),
+                                    ex=self.ttl_s),
+            self.timeout_s)
 
     async def find_snapshots(self, session: str) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
-        pattern = f"{self.prefix}:snap:*:{session}"
-        async for key in self.client.scan_iter(match=pattern, count=500):
-            raw = await self.client.get(key)
-            tenant = key.decode().split(":")[2]
-            if raw is not None and key.decode() == self._key("snap", tenant, session):
-                out[tenant] = orjson.loads(raw)
-        return out
+        async def scan() -> dict[str, dict[str, Any]]:
+            out: dict[str, dict[str, Any]] = {}
+            pattern = f"{self.prefix}:snap:*:{session}"
+            async for key in self.client.scan_iter(match=pattern, count=500):
+                raw = await self.client.get(key)
+                tenant = key.decode().split(":")[2]
+                if raw is not None and key.decode() == self._key("snap", tenant, session):
+                    out[tenant] = orjson.loads(raw)
+            return out
+
+        # an admin look-up scans: several round trips, each bounded by the read timeout
+        return await self.health.call("find_snapshots", scan, None)
+
+    async def ping(self) -> None:
+        """Is Redis answering? (/readyz; BackendDown when not)."""
+        await self.health.call("ping", self.client.ping, self.timeout_s)
 
     async def close(self) -> None:
         await self.client.aclose()

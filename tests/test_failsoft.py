@@ -1,0 +1,184 @@
+"""Backends that fail soft: a Redis that refuses or hangs, a SQLite store that cannot be
+opened or written, a PostgreSQL on the wrong port. Every chat request still gets the
+upstream's answer and its [mem] line; the failure is counted, logged once per interval
+and shown by /readyz."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from .conftest import CHAT_REPLY, PG_DSN, SECRET, Gateway, GatewayFactory, Upstream
+
+REDIS_PORTS = range(6391, 6396)  # this suite's own redis-servers; never the machine's 6379
+AUTH = {"Authorization": f"Bearer {SECRET}"}
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """A redis-server of our own on a free port of 6391-6395, stopped by its PID (resumed
+    first if a test left it SIGSTOPped)."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    port = next((p for p in REDIS_PORTS if _port_free(p)), None)
+    if port is None:
+        pytest.skip("ports 6391-6395 are all taken")
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--daemonize", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while _port_free(port):
+            assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.02)
+        yield proc, port
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait(10)
+
+
+def long_history(turns: int, tag: str = "") -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."}]
+    for t in range(turns):
+        msgs += [{"role": "user", "content": f"{tag} question {t}: " + "budget details " * 40},
+                 {"role": "assistant", "content": f"answer {t}: " + "numbers and totals " * 40}]
+    msgs.append({"role": "user", "content": f"{tag} what was the budget again?"})
+    return msgs
+
+
+EVICT = {"enable_eviction": True,
+         "budget": {"max_tokens": 1200, "max_chars": None, "max_messages": None,
+                    "max_turns": None}}
+
+
+async def chat(s: aiohttp.ClientSession, gw: Gateway, messages: list[dict[str, Any]],
+               session: str = "s-1") -> tuple[int, dict[str, Any], float]:
+    """One chat request on the session `s` (keep-alive): status, body, seconds."""
+    t0 = time.perf_counter()
+    async with s.post(f"{gw.url}/v1/chat/completions",
+                      data=orjson.dumps({"model": "gpt-4o-mini", "messages": messages}),
+                      headers={**AUTH, "X-Session-Id": session}) as r:
+        body = await r.json(content_type=None)
+        return r.status, body, time.perf_counter() - t0
+
+
+async def metric(gw: Gateway, name: str) -> dict[str, float]:
+    """Samples of one metric family from /metrics: label text -> value."""
+    async with aiohttp.ClientSession() as s, s.get(f"{gw.url}/metrics") as r:
+        text = await r.text()
+    out = {}
+    for ln in text.splitlines():
+        if ln.startswith(name) and not ln.startswith("#"):
+            key, _, value = ln.rpartition(" ")
+            out[key[len(name):]] = float(value)
+    return out
+
+
+async def readyz(gw: Gateway) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as s, s.get(f"{gw.url}/readyz") as r:
+        return r.status, await r.json()
+
+
+def log_count(gw: Gateway, event: str) -> int:
+    return sum(1 for ln in gw.log.getvalue().splitlines() if f" {event} " in ln)
+
+
+# --------------------------------------------------------------------------- Redis
+
+
+@pytest.fixture
+async def redis_gateway(gateway: GatewayFactory) -> AsyncIterator[Any]:
+    """(start(port), proc, port): a gateway with Redis session state on our redis-server."""
+    with redis_server() as (proc, port):
+
+        async def start(at: int = port, **state: Any) -> Gateway:
+            return await gateway(memory=EVICT, env={"MEMGATE_REDIS_URL": f"redis://127.0.0.1:{at}/0"},
+                                 state={"backend": "redis", "key_prefix": "memgate-failsoft",
+                                        **state})
+
+        yield start, proc, port
+
+
+async def test_refused_redis_keeps_the_mem_line_and_says_so(redis_gateway: Any,
+                                                            upstream: Upstream) -> None:
+    """Redis refusing connections: every request gets the upstream's answer and its [mem]
+    line (cut=unknown, state=unavailable), the failure is counted per operation, logged
+    once for the lot, the breaker skips Redis, and /readyz stays 200 but says degraded."""
+    start, proc, port = redis_gateway
+    proc.kill()
+    proc.wait(10)
+    gw = await start()
+    async with aiohttp.ClientSession() as s:
+        for i in range(8):
+            status, body, _ = await chat(s, gw, long_history(6), session=f"s-{i % 2}")
+            assert status == 200 and body == CHAT_REPLY
+    events = await gw.wait_mem(8, timeout_s=5)
+    assert len(events) == 8
+    assert all(e["status"] == "200" and e["state"] == "unavailable" and e["cut"] == "unknown"
+               and "prefix_tokens" not in e for e in events)
+    assert "mem_log_failed" not in gw.log.getvalue()
+    errors = await metric(gw, "memgate_backend_errors_total")
+    assert sum(v for k, v in errors.items() if 'backend="redis"' in k) >= 1
+    skipped = await metric(gw, "memgate_backend_skipped_total")
+    assert sum(v for k, v in skipped.items() if 'backend="redis"' in k) >= 1  # breaker open
+    assert log_count(gw, "backend_error") == 1
+    assert len(upstream.received) == 8
+    code, ready = await readyz(gw)
+    assert code == 200 and ready["status"] == "degraded"
+    assert ready["backends"]["state"]["backend"] == "redis"
+    assert ready["backends"]["state"]["status"] == "down"
+    assert "ConnectionError" in ready["backends"]["state"]["last_error"]
+
+
+async def test_hung_redis_costs_no_time_per_request(redis_gateway: Any) -> None:
+    """A Redis that accepts and never answers (SIGSTOP): requests on one keep-alive
+    connection answer at once, each [mem] line is written within the read timeout
+    (fields Redis keeps marked missing), and after SIGCONT the fields come back once the
+    breaker lets Redis be tried again."""
+    start, proc, _ = redis_gateway
+    gw = await start(connect_timeout_s=0.25, read_timeout_s=0.5, retry_after_s=1)
+    msgs = long_history(6)
+    async with aiohttp.ClientSession() as s:
+        status, _, _ = await chat(s, gw, msgs)
+        assert status == 200
+        assert (await gw.wait_mem(1))[0]["cut"] in ("moved", "kept")
+        os.kill(proc.pid, signal.SIGSTOP)
+        took = []
+        for i in range(6):
+            status, body, dt = await chat(s, gw, msgs)
+            assert status == 200 and body == CHAT_REPLY
+            took.append(dt)
+            events = await gw.wait_mem(2 + i, timeout_s=1.5)  # within the timeouts
+            assert events[-1]["state"] == "unavailable" and events[-1]["cut"] == "unknown"
+        assert max(took) < 0.3, took  # the client never waits for Redis
+        os.kill(proc.pid, signal.SIGCONT)
+        await asyncio.sleep(1.2)  # retry_after_s: the breaker lets one request try again
+        for _ in range(2):
+            await chat(s, gw, msgs)
+        events = await gw.wait_mem(9, timeout_s=3)
+    assert "state" not in events[-1] and events[-1]["cut"] in ("moved", "kept")
+    code, ready = await readyz(gw)
+    assert code == 200 and ready["backends"]["state"]["status"] == "ok"
+    assert ready["status"] == "ready"
