@@ -27,7 +27,7 @@ MAX_RECALLED_CHARS = 1000
 # the request waits for recall before it is forwarded: a slow store (a locked SQLite file
 # waits 5 s for its lock) costs it this much once, then the breaker skips the store
 RECALL_TIMEOUT_S = 0.5
-OPEN_TIMEOUT_S = 2.0  # opening may create the schema; a store that cannot open is skipped
+OPEN_TIMEOUT_S = 0.5  # on the request path too: a store that cannot open is skipped
 
 
 class Searcher(Protocol):

@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 import pytest
 
-from .conftest import CHAT_REPLY, PG_DSN, SECRET, Gateway, GatewayFactory, Upstream
+from .conftest import CHAT_REPLY, SECRET, Gateway, GatewayFactory, Upstream
 
 REDIS_PORTS = range(6391, 6396)  # this suite's own redis-servers; never the machine's 6379
 AUTH = {"Authorization": f"Bearer {SECRET}"}
@@ -126,7 +126,7 @@ async def test_refused_redis_keeps_the_mem_line_and_says_so(redis_gateway: Any,
     """Redis refusing connections: every request gets the upstream's answer and its [mem]
     line (cut=unknown, state=unavailable), the failure is counted per operation, logged
     once for the lot, the breaker skips Redis, and /readyz stays 200 but says degraded."""
-    start, proc, port = redis_gateway
+    start, proc, _ = redis_gateway
     proc.kill()
     proc.wait(10)
     gw = await start()
@@ -182,3 +182,110 @@ async def test_hung_redis_costs_no_time_per_request(redis_gateway: Any) -> None:
     code, ready = await readyz(gw)
     assert code == 200 and ready["backends"]["state"]["status"] == "ok"
     assert ready["status"] == "ready"
+
+
+# --------------------------------------------------------------------------- memory store
+
+
+@contextlib.contextmanager
+def immutable(path: Path) -> Iterator[None]:
+    """A read-only directory that holds even for root (tests run as root, so chmod does
+    not): the ext4 immutable attribute. Skipped where chattr is refused."""
+    done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"chattr +i refused here: {done.stderr.decode().strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+async def store_gateway(gateway: GatewayFactory, store: dict[str, Any],
+                        env: dict[str, str] | None = None) -> Gateway:
+    gw = await gateway(memory=EVICT, env=env,
+                       store={"archive": "evicted", "recall": {"enabled": True, "top_k": 2},
+                              **store})
+    gw.state.store_health.retry_after_s = 0.5  # so a test sees the store come back
+    return gw
+
+
+async def assert_forwarded_without_recall(gw: Gateway, upstream: Upstream, n: int,
+                                          max_s: float) -> list[dict[str, str]]:
+    """n chat requests: each answered by the upstream within max_s, each forwarded
+    evicted, each [mem] line marks the recall failed; (the [mem] events)."""
+    sent = long_history(6, tag="KESTREL")
+    async with aiohttp.ClientSession() as s:
+        for i in range(n):
+            status, body, dt = await chat(s, gw, sent, session=f"s-{i}")
+            assert status == 200 and body == CHAT_REPLY, body
+            assert dt < max_s, dt
+    assert len(upstream.received) == n
+    assert all(len(orjson.loads(r["raw"])["messages"]) < len(sent) for r in upstream.received)
+    events = await gw.wait_mem(n)
+    assert all(e["status"] == "200" and e["recall"] == "failed" and int(e["dropped"]) > 0
+               for e in events)
+    return events
+
+
+async def test_read_only_sqlite_directory_degrades_recall_only(
+        gateway: GatewayFactory, upstream: Upstream, tmp_path: Path) -> None:
+    """SQLite in a directory nothing may write to: chat requests are forwarded (evicted,
+    recalling only the turns they drop), [mem] says recall=failed, the failure is counted
+    and logged once; when the directory is writable again recall and archive resume."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    gw = await store_gateway(gateway, {"path": str(ro / "memgate.db")})
+    with immutable(ro):
+        await assert_forwarded_without_recall(gw, upstream, 6, max_s=1.0)
+    errors = await metric(gw, "memgate_backend_errors_total")
+    assert errors.get('{backend="store",op="open"}', 0) >= 1
+    assert log_count(gw, "backend_error") == 1
+    code, ready = await readyz(gw)
+    assert code == 200 and ready["status"] == "degraded"
+    assert "OperationalError" in ready["backends"]["store"]["last_error"]
+    await asyncio.sleep(0.6)  # retry_after_s
+    async with aiohttp.ClientSession() as s:
+        status, _, _ = await chat(s, gw, long_history(6, tag="KESTREL"), session="s-back")
+    ev = (await gw.wait_mem(7))[-1]
+    assert status == 200 and "recall" not in ev and int(ev["archived"]) > 0
+    await gw.state.memory.queue.join()
+    assert gw.state.memory.written > 0
+    assert (await readyz(gw))[1]["backends"]["store"]["status"] == "ok"
+
+
+async def test_locked_sqlite_costs_a_request_at_most_the_recall_bound(
+        gateway: GatewayFactory, upstream: Upstream, tmp_path: Path) -> None:
+    """A SQLite file another process holds an exclusive lock on (SQLite itself waits 5 s
+    for it): the first request waits at most the recall bound, the next ones not at all
+    while the breaker is open; all are answered and say recall=failed."""
+    path = tmp_path / "locked.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        gw = await store_gateway(gateway, {"path": str(path)})
+        gw.state.store_health.retry_after_s = 30  # no probe during this test
+        t0 = time.perf_counter()
+        await assert_forwarded_without_recall(gw, upstream, 4, max_s=1.0)
+        assert time.perf_counter() - t0 < 1.5  # 0.5 s once, not 5 s per request
+        errors = await metric(gw, "memgate_backend_errors_total")
+        assert errors.get('{backend="store",op="open"}', 0) == 1
+        assert (await metric(gw, "memgate_backend_skipped_total"))['{backend="store"}'] >= 3
+    finally:
+        holder.close()
+
+
+async def test_postgres_on_a_wrong_port_degrades_recall_only(
+        gateway: GatewayFactory, upstream: Upstream) -> None:
+    """PostgreSQL nobody listens for: forwarded, recall=failed, counted, logged once."""
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()  # nothing listens there now
+    gw = await store_gateway(gateway, {"backend": "postgres"},
+                             env={"MEMGATE_STORE_DSN": f"postgresql://postgres@127.0.0.1:{port}/test"})
+    gw.state.store_health.retry_after_s = 0.05  # tried again on most requests: still one line
+    await assert_forwarded_without_recall(gw, upstream, 6, max_s=1.0)
+    errors = await metric(gw, "memgate_backend_errors_total")
+    assert sum(v for k, v in errors.items() if 'backend="store"' in k) >= 2
+    assert log_count(gw, "backend_error") == 1
