@@ -60,34 +60,31 @@ class Backend:
     def up(self) -> bool:
         return self._open_until == 0.0
 
-    def _may_call(self) -> bool:
-        if self._open_until == 0.0:
-            return True
-        if self._probing or self._clock() < self._open_until:
-            return False
-        self._probing = True
-        return True
-
     async def call(
         self, op: str, make: Callable[[], Awaitable[T]], timeout_s: float | None = None
     ) -> T:
         """`await make()` within `timeout_s`, or BackendDown (counted, maybe logged)."""
-        if not self._may_call():
-            self.skipped += 1
-            raise BackendDown(f"{self.name} is down (retried after {self.retry_after_s:g}s)")
+        probe = False
+        if self._open_until:
+            if self._probing or self._clock() < self._open_until:
+                self.skipped += 1
+                raise BackendDown(f"{self.name} is down (tried again "
+                                  f"{self.retry_after_s:g}s after its last failure)")
+            probe = self._probing = True  # this call finds out; the others still skip
         try:
             async with asyncio.timeout(timeout_s):
                 result = await make()
         except Exception as exc:  # whatever a backend raises degrades its feature
-            self.failed(op, exc)
+            self._failed(op, exc)
             raise BackendDown(f"{self.name} {op}: {type(exc).__name__}") from exc
         finally:
-            self._probing = False
+            if probe:
+                self._probing = False
         self._open_until = 0.0
         self.last_ok_at = time.time()
         return result
 
-    def failed(self, op: str, exc: BaseException) -> None:
+    def _failed(self, op: str, exc: BaseException) -> None:
         """Count a failure, open the breaker, log it unless this op was logged lately."""
         now = self._clock()
         self.errors[op] = self.errors.get(op, 0) + 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -21,6 +22,10 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.backends import Backend, BackendDown
 
 from .conftest import CHAT_REPLY, SECRET, Gateway, GatewayFactory, Upstream
 
@@ -113,8 +118,10 @@ async def redis_gateway(gateway: GatewayFactory) -> AsyncIterator[Any]:
     """(start(port), proc, port): a gateway with Redis session state on our redis-server."""
     with redis_server() as (proc, port):
 
-        async def start(at: int = port, **state: Any) -> Gateway:
-            return await gateway(memory=EVICT, env={"MEMGATE_REDIS_URL": f"redis://127.0.0.1:{at}/0"},
+        async def start(memory: dict[str, Any] = EVICT, **state: Any) -> Gateway:
+            return await gateway(memory=memory,
+                                 env={"MEMGATE_REDIS_URL": f"redis://127.0.0.1:{port}/0",
+                                      "MEMGATE_ADMIN_TOKEN": "adm"},
                                  state={"backend": "redis", "key_prefix": "memgate-failsoft",
                                         **state})
 
@@ -145,6 +152,11 @@ async def test_refused_redis_keeps_the_mem_line_and_says_so(redis_gateway: Any,
     assert sum(v for k, v in skipped.items() if 'backend="redis"' in k) >= 1  # breaker open
     assert log_count(gw, "backend_error") == 1
     assert len(upstream.received) == 8
+    requests = await metric(gw, "memgate_requests_total")
+    assert sum(requests.values()) == 8  # the metrics are observed too
+    async with aiohttp.ClientSession() as s, s.get(
+            f"{gw.url}/admin/sessions/s-0/memory", headers={"X-Memgate-Admin-Token": "adm"}) as r:
+        assert r.status == 503 and (await r.json())["error"]["code"] == "backend_unavailable"
     code, ready = await readyz(gw)
     assert code == 200 and ready["status"] == "degraded"
     assert ready["backends"]["state"]["backend"] == "redis"
@@ -152,18 +164,26 @@ async def test_refused_redis_keeps_the_mem_line_and_says_so(redis_gateway: Any,
     assert "ConnectionError" in ready["backends"]["state"]["last_error"]
 
 
-async def test_hung_redis_costs_no_time_per_request(redis_gateway: Any) -> None:
+SHADOW = {"enable_eviction": False, "shadow": True}
+
+
+@pytest.mark.parametrize("memory", [EVICT, SHADOW], ids=["evict", "shadow"])
+async def test_hung_redis_costs_no_time_per_request(redis_gateway: Any,
+                                                    memory: dict[str, Any]) -> None:
     """A Redis that accepts and never answers (SIGSTOP): requests on one keep-alive
     connection answer at once, each [mem] line is written within the read timeout
     (fields Redis keeps marked missing), and after SIGCONT the fields come back once the
-    breaker lets Redis be tried again."""
+    breaker lets Redis be tried again. In shadow mode the body is forwarded before it is
+    measured: that path does not wait on Redis either."""
     start, proc, _ = redis_gateway
-    gw = await start(connect_timeout_s=0.25, read_timeout_s=0.5, retry_after_s=1)
+    gw = await start(memory, connect_timeout_s=0.25, read_timeout_s=0.5, retry_after_s=1)
+    on = memory is EVICT
     msgs = long_history(6)
     async with aiohttp.ClientSession() as s:
         status, _, _ = await chat(s, gw, msgs)
         assert status == 200
-        assert (await gw.wait_mem(1))[0]["cut"] in ("moved", "kept")
+        first = (await gw.wait_mem(1))[0]
+        assert "state" not in first and (first["cut"] in ("moved", "kept") if on else True)
         os.kill(proc.pid, signal.SIGSTOP)
         took = []
         for i in range(6):
@@ -171,14 +191,16 @@ async def test_hung_redis_costs_no_time_per_request(redis_gateway: Any) -> None:
             assert status == 200 and body == CHAT_REPLY
             took.append(dt)
             events = await gw.wait_mem(2 + i, timeout_s=1.5)  # within the timeouts
-            assert events[-1]["state"] == "unavailable" and events[-1]["cut"] == "unknown"
+            assert events[-1]["state"] == "unavailable" and events[-1]["status"] == "200"
+            assert events[-1].get("cut") == ("unknown" if on else None)
         assert max(took) < 0.3, took  # the client never waits for Redis
         os.kill(proc.pid, signal.SIGCONT)
         await asyncio.sleep(1.2)  # retry_after_s: the breaker lets one request try again
         for _ in range(2):
             await chat(s, gw, msgs)
         events = await gw.wait_mem(9, timeout_s=3)
-    assert "state" not in events[-1] and events[-1]["cut"] in ("moved", "kept")
+    assert "state" not in events[-1]
+    assert events[-1].get("cut") in (("moved", "kept") if on else (None,))
     code, ready = await readyz(gw)
     assert code == 200 and ready["backends"]["state"]["status"] == "ok"
     assert ready["status"] == "ready"
@@ -289,3 +311,127 @@ async def test_postgres_on_a_wrong_port_degrades_recall_only(
     errors = await metric(gw, "memgate_backend_errors_total")
     assert sum(v for k, v in errors.items() if 'backend="store"' in k) >= 2
     assert log_count(gw, "backend_error") == 1
+
+
+# --------------------------------------------------------------------------- the breaker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeLog:
+    """Records each logged event with the (fake) time it was logged."""
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock = clock or Clock()
+        self.lines: list[dict[str, Any]] = []
+
+    def error(self, event: str, **kw: Any) -> None:
+        self.lines.append({"event": event, "at": self.clock.now, **kw})
+
+
+async def test_breaker_skips_a_failed_backend_then_lets_one_call_probe() -> None:
+    """After a failure the backend is not called for retry_after_s; then one call probes
+    while concurrent ones still skip; its success closes the breaker."""
+    clock = Clock()
+    log = FakeLog(clock)
+    b = Backend("redis", lambda: log, retry_after_s=5, clock=clock)
+    calls = 0
+
+    async def refuse() -> None:
+        nonlocal calls
+        calls += 1
+        raise ConnectionError("refused")
+
+    with pytest.raises(BackendDown):
+        await b.call("get_record", refuse)
+    with pytest.raises(BackendDown):
+        await b.call("get_record", refuse)
+    assert calls == 1 and b.skipped == 1 and not b.up
+    clock.now += 5
+    release = asyncio.Event()
+
+    async def answer() -> str:
+        nonlocal calls
+        calls += 1
+        await release.wait()
+        return "ok"
+
+    probe = asyncio.ensure_future(b.call("get_record", answer))
+    await asyncio.sleep(0)
+    with pytest.raises(BackendDown):  # the probe is still out
+        await b.call("get_record", answer)
+    release.set()
+    assert await probe == "ok" and calls == 2 and b.up
+    assert await b.call("get_record", answer) == "ok"
+    assert b.errors == {"get_record": 1} and len(log.lines) == 1
+
+
+async def test_breaker_bounds_a_hung_call_by_its_timeout() -> None:
+    """A call that never answers fails after timeout_s (TimeoutError, counted)."""
+    b = Backend("store", lambda: FakeLog(), retry_after_s=1)
+    t0 = time.perf_counter()
+    with pytest.raises(BackendDown):
+        await b.call("search", asyncio.Event().wait, timeout_s=0.05)
+    assert time.perf_counter() - t0 < 0.5
+    assert b.errors == {"search": 1} and b.last_error == "TimeoutError: timed out"
+
+
+@settings(max_examples=60)
+@given(st.lists(st.tuples(st.floats(0, 40), st.sampled_from(["get_record", "put_record"]),
+                          st.booleans()), max_size=60))
+def test_failures_are_logged_once_per_interval_and_none_is_lost(
+        events: list[tuple[float, str, bool]]) -> None:
+    """For any run of failures and successes: per operation, logged lines are at least
+    log_every_s apart, and logged lines plus their `suppressed` counts plus the failures
+    not logged yet add up to every failure."""
+    clock = Clock()
+    log = FakeLog(clock)
+    b = Backend("redis", lambda: log, retry_after_s=0, log_every_s=60, clock=clock)
+
+    async def run() -> None:
+        for dt, op, ok in events:
+            clock.now += dt
+
+            async def outcome(ok: bool = ok) -> None:
+                if not ok:
+                    raise TimeoutError
+
+            with contextlib.suppress(BackendDown):
+                await b.call(op, outcome)
+
+    asyncio.run(run())
+    for op, n in b.errors.items():
+        lines = [ln for ln in log.lines if ln["op"] == op]
+        assert all(b2["at"] - a["at"] >= 60 for a, b2 in itertools.pairwise(lines))
+        pending = b._logged[op][1]
+        assert sum(1 + ln["suppressed"] for ln in lines) + pending == n
+    assert sum(b.errors.values()) == sum(1 for *_, ok in events if not ok)
+
+
+async def test_readyz_reports_backends_and_the_last_reload(gateway: GatewayFactory) -> None:
+    """/readyz: each backend's state and the last reload's time, result and reason; a
+    refused config leaves the gateway serving (200, degraded) until a good one loads."""
+    gw = await gateway()
+    code, ready = await readyz(gw)
+    assert code == 200 and ready["status"] == "ready" and "reload" not in ready
+    assert ready["backends"]["state"] == {"backend": "memory", "status": "ok"}
+    assert ready["backends"]["store"]["status"] == "ok"
+    assert ready["backends"]["store"]["opened"] is False
+    good = gw.config.read_text()
+    gw.config.write_text(good.replace("max_tokens: 6000", "max_tokens: -3"))
+    deadline = time.monotonic() + 5
+    while (ready := (await readyz(gw))[1]).get("reload", {}).get("result") != "failed":
+        assert time.monotonic() < deadline, ready
+        await asyncio.sleep(0.05)
+    assert ready["status"] == "degraded" and "max_tokens" in ready["reload"]["error"]
+    gw.config.write_text(good.replace("max_tokens: 6000", "max_tokens: 5000"))
+    while (ready := (await readyz(gw))[1])["reload"]["result"] != "ok":
+        assert time.monotonic() < deadline + 5, ready
+        await asyncio.sleep(0.05)
+    assert ready["status"] == "ready" and "error" not in ready["reload"]
