@@ -35,7 +35,10 @@ class GatewayState:
     reloader: Reloader
     tokenizers: Tokenizers
     sessions: MemoryState | RedisState
-    store_health: Backend  # recall and the archive writer call the store through it
+    # the store as recall reads it and as the archive writer writes it: a full disk fails
+    # the writes only, so it does not switch recall off
+    store_health: Backend
+    archive_health: Backend
     history: HistoryCache = field(default_factory=lambda: HistoryCache(0, 0))
     metrics: Metrics = field(default_factory=Metrics)
     capture: Capture = field(default_factory=Capture)
@@ -116,12 +119,13 @@ def create_app(
         tokenizers=Tokenizers(rules.token_cache_size),
         sessions=_session_state(rules, env or {}, lambda: state.log),
         store_health=Backend("store", lambda: state.log),
+        archive_health=Backend("archive", lambda: state.log),
         history=HistoryCache(rules.history_cache_mb << 20, rules.max_tracked_sessions),
         log=log,
     )
     state.memory = MemoryService(env or {}, log)
     state.metrics.watch_history(state.history)
-    state.metrics.watch_backends([state.store_health, *(
+    state.metrics.watch_backends([state.store_health, state.archive_health, *(
         [state.sessions.health] if isinstance(state.sessions, RedisState) else [])])
 
     # the body limit is enforced per request from the live rules (it can be reloaded)
@@ -136,7 +140,7 @@ def create_app(
         writer = asyncio.create_task(state.capture.run())
         memory = state.memory
         assert memory is not None
-        archiver = asyncio.create_task(memory.run_writer(state.rules.store, state.store_health))
+        archiver = asyncio.create_task(memory.run_writer(state.rules.store, state.archive_health))
         loop = asyncio.get_running_loop()
         hup = False
         try:

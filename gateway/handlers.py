@@ -512,9 +512,11 @@ async def readyz(request: web.Request) -> web.Response:
     state: GatewayState = request.app[STATE]
     rules = state.rules
     ok = bool(rules.upstreams) and all(u.base_url for u in rules.upstreams)
-    backends = {"state": await _state_status(state), "store": {
-        "backend": rules.store.backend, "opened": state.memory is not None
-        and state.memory.store is not None, **state.store_health.status()}}
+    opened = state.memory is not None and state.memory.store is not None
+    backends = {"state": await _state_status(state),
+                "store": {"backend": rules.store.backend, "opened": opened,
+                          **state.store_health.status()},
+                "archive": {"backend": rules.store.backend, **state.archive_health.status()}}
     body: dict[str, Any] = {
         "status": "not_ready" if not ok else "ready",
         "config": rules.source,

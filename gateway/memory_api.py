@@ -60,7 +60,7 @@ class MemoryService:
             batch = await self.queue.get()
             try:
                 store = await health.call("open", functools.partial(self.get_store, rules))
-                self.written += await health.call("archive", functools.partial(store.write, batch))
+                self.written += await health.call("write", functools.partial(store.write, batch))
             except BackendDown:  # counted and logged once per interval by the breaker; a
                 self.dropped += len(batch)  # store known to be down is not tried per batch
             finally:

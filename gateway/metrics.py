@@ -155,7 +155,7 @@ class _HistoryCollector:
 
 class _BackendCollector:
     """Read at scrape time from the breakers: a failing backend costs no metric work per
-    request (labels: backend = redis | store, op = the backend operation, both bounded)."""
+    request (labels: backend = redis | store | archive, op = its operation: both bounded)."""
 
     def __init__(self, backends: list[Backend]) -> None:
         self.backends = backends

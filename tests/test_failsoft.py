@@ -14,6 +14,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -27,7 +28,8 @@ from hypothesis import strategies as st
 
 from gateway.backends import Backend, BackendDown
 
-from .conftest import CHAT_REPLY, SECRET, Gateway, GatewayFactory, Upstream
+from .conftest import CHAT_REPLY, ROOT, SECRET, Gateway, GatewayFactory, Upstream, write_config
+from .perf.bench_gateway import free_port
 
 REDIS_PORTS = range(6391, 6396)  # this suite's own redis-servers; never the machine's 6379
 AUTH = {"Authorization": f"Bearer {SECRET}"}
@@ -108,6 +110,18 @@ async def readyz(gw: Gateway) -> tuple[int, dict[str, Any]]:
 
 def log_count(gw: Gateway, event: str) -> int:
     return sum(1 for ln in gw.log.getvalue().splitlines() if f" {event} " in ln)
+
+
+def logged_once_per_op(text: str) -> dict[str, int]:
+    """backend_error lines by "backend op", each asserted to be logged once."""
+    seen: dict[str, int] = {}
+    for ln in text.splitlines():
+        if " backend_error " in ln:
+            kv = dict(p.split("=", 1) for p in ln.split() if "=" in p)
+            key = f"{kv['backend']} {kv['op']}"
+            seen[key] = seen.get(key, 0) + 1
+    assert seen and all(n == 1 for n in seen.values()), seen
+    return seen
 
 
 # --------------------------------------------------------------------------- Redis
@@ -227,7 +241,8 @@ async def store_gateway(gateway: GatewayFactory, store: dict[str, Any],
     gw = await gateway(memory=EVICT, env=env,
                        store={"archive": "evicted", "recall": {"enabled": True, "top_k": 2},
                               **store})
-    gw.state.store_health.retry_after_s = 0.5  # so a test sees the store come back
+    # so a test sees the store come back
+    gw.state.store_health.retry_after_s = gw.state.archive_health.retry_after_s = 0.5
     return gw
 
 
@@ -261,7 +276,7 @@ async def test_read_only_sqlite_directory_degrades_recall_only(
         await assert_forwarded_without_recall(gw, upstream, 6, max_s=1.0)
     errors = await metric(gw, "memgate_backend_errors_total")
     assert errors.get('{backend="store",op="open"}', 0) >= 1
-    assert log_count(gw, "backend_error") == 1
+    assert "store open" in logged_once_per_op(gw.log.getvalue())
     code, ready = await readyz(gw)
     assert code == 200 and ready["status"] == "degraded"
     assert "OperationalError" in ready["backends"]["store"]["last_error"]
@@ -309,8 +324,8 @@ async def test_postgres_on_a_wrong_port_degrades_recall_only(
     gw.state.store_health.retry_after_s = 0.05  # tried again on most requests: still one line
     await assert_forwarded_without_recall(gw, upstream, 6, max_s=1.0)
     errors = await metric(gw, "memgate_backend_errors_total")
-    assert sum(v for k, v in errors.items() if 'backend="store"' in k) >= 2
-    assert log_count(gw, "backend_error") == 1
+    assert errors['{backend="store",op="open"}'] >= 2
+    assert logged_once_per_op(gw.log.getvalue()) == {"store open": 1, "archive open": 1}
 
 
 # --------------------------------------------------------------------------- the breaker
@@ -435,3 +450,63 @@ async def test_readyz_reports_backends_and_the_last_reload(gateway: GatewayFacto
         assert time.monotonic() < deadline + 5, ready
         await asyncio.sleep(0.05)
     assert ready["status"] == "ready" and "error" not in ready["reload"]
+
+
+async def test_full_disk_loses_archive_writes_not_requests(upstream: Upstream,
+                                                           tmp_path: Path) -> None:
+    """SQLite on a 256 KiB tmpfs (`memgate serve` in its own mount namespace, so nothing
+    is mounted on the machine): once the disk is full the archive writes fail with
+    SQLITE_FULL; every chat request is still answered and recalls (reads still work),
+    the failures are counted and logged once."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare is not installed")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cfg = write_config(tmp_path / "gateway.yaml", EVICT,
+                       store={"path": str(disk / "memgate.db"), "archive": "evicted",
+                              "recall": {"enabled": True, "top_k": 2}})
+    port = free_port()
+    log = tmp_path / "serve.log"
+    script = 'mount -t tmpfs -o size=256k memgate-full "$0" && exec "$@"'
+    with log.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            "unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(disk),
+            sys.executable, "-m", "gateway", "serve", "--port", str(port), "--config", str(cfg),
+            "--upstream", upstream.url, stdout=out, stderr=out, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                _, w = await asyncio.open_connection("127.0.0.1", port)
+                w.close()
+                break
+            except OSError:
+                if proc.returncode is not None or time.monotonic() > deadline:
+                    pytest.skip(f"no tmpfs in a mount namespace here: {log.read_text()[-300:]}")
+                await asyncio.sleep(0.1)
+        failed = 0.0
+        async with aiohttp.ClientSession() as s:
+            for i in range(60):
+                async with s.post(f"{url}/v1/chat/completions", headers={
+                        **AUTH, "X-Session-Id": f"s-{i}"}, data=orjson.dumps(
+                            {"model": "gpt-4o-mini", "messages": long_history(6, f"T{i}")})) as r:
+                    assert r.status == 200 and await r.json() == CHAT_REPLY
+                async with s.get(f"{url}/metrics") as r:
+                    text = await r.text()
+                failed = sum(float(ln.rpartition(" ")[2]) for ln in text.splitlines()
+                             if ln.startswith('memgate_backend_errors_total{backend="archive"'))
+                if failed and i >= 20:
+                    break
+        assert failed >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 30)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-2000:]
+    assert logged_once_per_op(text) == {"archive write": 1}, text[-2000:]
+    assert "database or disk is full" in text
+    mem = [ln for ln in text.splitlines() if ln.startswith("[mem] ")]
+    assert len(mem) == i + 1
+    assert not any("recall=failed" in ln for ln in mem)  # a full disk still reads
+    assert "Traceback" not in text
