@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -27,8 +26,9 @@ class BackendDown(Exception):
     """The backend failed this call, or was skipped because it failed recently."""
 
 
-def _iso(wall: float) -> str:
-    return datetime.fromtimestamp(wall, UTC).isoformat(timespec="seconds")
+def iso_utc(wall: float) -> str:
+    """A wall-clock time for /readyz: 2026-12-01T15:22:58Z."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
 
 
 class Backend:
@@ -107,9 +107,9 @@ class Backend:
                                "errors": sum(self.errors.values())}
         if self.last_error is not None and self.last_error_at is not None:
             out["last_error"] = self.last_error
-            out["last_error_at"] = _iso(self.last_error_at)
+            out["last_error_at"] = iso_utc(self.last_error_at)
         if self.last_ok_at is not None:
-            out["last_ok_at"] = _iso(self.last_ok_at)
+            out["last_ok_at"] = iso_utc(self.last_ok_at)
         if not self.up:
             out["retry_in_s"] = round(max(0.0, self._open_until - self._clock()), 2)
         return out

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from . import splice
 from .app import STATE, GatewayState
-from .backends import BackendDown
+from .backends import BackendDown, iso_utc
 from .capture import record as capture_record
 from .chat import Decision, decide
 from .errors import ApiFlavor, GatewayError, PayloadTooLarge, render_error
@@ -527,7 +527,7 @@ async def readyz(request: web.Request) -> web.Response:
     last = state.reloader.last
     if last is not None:
         at, result, error = last
-        body["reload"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at)),
+        body["reload"] = {"at": iso_utc(at),
                           "result": result, **({"error": error} if error else {})}
     if ok and (any(b["status"] != "ok" for b in backends.values())
                or (last is not None and last[1] == "failed")):

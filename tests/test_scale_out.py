@@ -76,6 +76,7 @@ async def test_a_session_continues_across_replicas(shared: Any, upstream: Upstre
     a, b = shared
     first = [*history(20), {"role": "user", "content": "Any blockers?"}]
     await post(a.url, first)
+    await a.wait_mem(1)  # A's accounting (it queues the archive) follows its answer
     await a.state.memory.queue.join()  # A's write-behind archive reached PostgreSQL
     second = [*first, {"role": "assistant", "content": "None."},
               {"role": "user", "content": "Thanks, keep going."}]
