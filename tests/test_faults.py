@@ -45,7 +45,8 @@ async def start_serve(upstream_url: str, tmp_path: Path, *extra: str) -> tuple[A
             sys.executable, "-m", "gateway", "serve", "--port", str(port),
             "--config", str(ROOT / "rules" / "gateway.yaml"), "--upstream", upstream_url,
             *extra, stdout=out, stderr=out, cwd=tmp_path,
-            env={**os.environ, "MEMGATE_ENABLE_EVICTION": "1"},
+            # this checkout's gateway, not the one the venv was installed from
+            env={**os.environ, "MEMGATE_ENABLE_EVICTION": "1", "PYTHONPATH": str(ROOT)},
         )
     deadline = time.monotonic() + 20
     while True:
