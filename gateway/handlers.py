@@ -17,13 +17,13 @@ from . import splice
 from .app import STATE, GatewayState
 from .capture import record as capture_record
 from .chat import Decision, decide
-from .errors import ApiFlavor, GatewayError, PayloadTooLarge, render_error
+from .errors import ApiFlavor, GatewayError, PayloadTooLarge, Unauthorized, render_error
 from .recall import archive_records, recall
-from .rules import Rules
-from .session import session_id, tenant_of
+from .rules import Rules, Upstream
+from .session import client_refusal, session_id, tenant_of
 from .state import SessionRecord, compare_cut, fingerprint, known_prefix
 from .store import StoreError
-from .upstream import Relayed, relay
+from .upstream import Relayed, injected_key, relay
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
 
@@ -73,8 +73,17 @@ def _text(content: Any) -> str:
     return "" if content is None else orjson.dumps(content).decode()
 
 
+def _admit(rules: Rules, up: Upstream, request: web.Request) -> None:
+    """A route whose upstream gets the gateway's own key serves allowlisted callers only:
+    anyone else would spend that key."""
+    if injected_key(up):
+        why = client_refusal(request.headers, rules.tenants)
+        if why is not None:
+            raise Unauthorized(why)
+
+
 def _session(request: web.Request, header: str, payload: Any, items: list[Any] | None,
-             tenant: str) -> str:
+             tenant: str | None) -> str:
     system, first_user = "", ""
     for m in items or ():
         if not isinstance(m, dict):
@@ -144,25 +153,37 @@ def intercept(wire: Wire) -> Handler:
         info = Relayed()
         d: Decision | None = None
         overhead_ms = 0.0
-        tenant = tenant_of(request.headers)
+        # None: no usable credential (and no anonymous tenant), so no memory at all
+        tenant = tenant_of(request.headers, rules.tenants)
         session = ""
         raw: bytes | None = None
         deferred = False
         measuring: asyncio.Future[tuple[dict[str, Any], dict[str, Any]]] | None = None
         try:
             try:
+                # chosen by path alone unless an upstream chooses by model (then the body
+                # is read first): a refused caller's body is not even read
+                up = None if rules.routes_by_model else rules.upstream_for(request.path)
+                if up is not None:
+                    _admit(rules, up, request)
                 raw = await read_body(request, rules.max_body_bytes)
-                if _unchangeable(state, rules, wire, raw):
+                if up is not None and _unchangeable(state, rules, wire, raw):
                     # nothing a decision could change: the client's bytes go upstream now,
                     # the measuring and the [mem] line follow the response
                     deferred = True
                     overhead_ms = (time.perf_counter() - t0) * 1000
-                    return await relay(request, state.pool, rules.upstream_for(request.path),
-                                       raw, info)
+                    return await relay(request, state.pool, up, raw, info)
                 d, session = _decide(state, request, rules, wire, raw, tenant)
-                if rules.store.recall_enabled and d.mode == "on" and d.plan is not None:
+                if up is None:
+                    up = rules.upstream_for(request.path, d.model)
+                    try:
+                        _admit(rules, up, request)
+                    except Unauthorized:
+                        d = None  # nothing of a refused request is archived or remembered
+                        raise
+                if (tenant is not None and rules.store.recall_enabled and d.mode == "on"
+                        and d.plan is not None):
                     d = await _with_recall(state, rules, wire, d, tenant, session)
-                up = rules.upstream_for(request.path, d.model)
                 overhead_ms = (time.perf_counter() - t0) * 1000
                 # measured while the upstream answers: the loop would wait for it otherwise
                 measuring = asyncio.ensure_future(
@@ -218,7 +239,7 @@ def _unchangeable(state: GatewayState, rules: Rules, wire: Wire, raw: bytes) -> 
 
 def _decide(
     state: GatewayState, request: web.Request, rules: Rules, wire: Wire, raw: bytes,
-    tenant: str,
+    tenant: str | None,
 ) -> tuple[Decision, str]:
     """Parse and plan one body; (decision, session id)."""
     history = state.history_cache
@@ -232,14 +253,15 @@ def _decide(
         payload = None
     items = wire.items(payload) if isinstance(payload, dict) else None
     session = _session(request, rules.session_header, payload, items, tenant)
+    # a caller without a tenant has no session history: its requests share nothing
     d = decide(raw, payload, rules, state.tokenizers, wire, history=history,
-               key=(tenant, session))
+               key=None if tenant is None else (tenant, session))
     d.spliced_from = src
     return d, session
 
 
 async def _account(
-    state: GatewayState, request: web.Request, tenant: str, session: str, wire: Wire,
+    state: GatewayState, request: web.Request, tenant: str | None, session: str, wire: Wire,
     d: Decision | None, info: Relayed, overhead_ms: float, rid: str,
     measuring: asyncio.Future[tuple[dict[str, Any], dict[str, Any]]] | None,
 ) -> None:
@@ -278,7 +300,7 @@ async def _with_recall(
 async def _measure(
     state: GatewayState,
     request: web.Request,
-    tenant: str,
+    tenant: str | None,
     session: str,
     wire: Wire,
     d: Decision | None,
@@ -303,7 +325,8 @@ async def _measure(
         return head, tail
     if d.recalled:
         tail["recalled"] = len(d.recalled)
-    if (d.plan is not None and d.mode == "on"
+    # a caller without a tenant gets no memory: nothing archived, no snapshot kept
+    if (tenant is not None and d.plan is not None and d.mode == "on"
             and state.rules.store.archive != "off" and state.memory is not None):
         agent = request.headers.get("X-Agent-Id", "") or "default"
         # turns starting before `since` were archived by the session's earlier requests
@@ -316,7 +339,8 @@ async def _measure(
             entry.archived_upto = upto  # a full queue dropped them: all again next time
     if d.note is not None and d.snapshot is not None:
         tail["carried"] = d.snapshot.count
-        await state.sessions.put_snapshot(tenant, session, d.snapshot.fields)
+        if tenant is not None:
+            await state.sessions.put_snapshot(tenant, session, d.snapshot.fields)
         if state.rules.memory.carry.log_skipped:
             for what, reason in d.snapshot.skipped:
                 state.log.info("carry_skip", session=session, field=what, reason=reason,
@@ -325,7 +349,7 @@ async def _measure(
         tail["cache_marker_dropped"] = True
         if d.cache_marker_moved:
             tail["cache_marker"] = "moved"
-    if (d.view is not None and d.view.entry is not None
+    if (tenant is not None and d.view is not None and d.view.entry is not None
             and state.history_cache is not None):  # only ever saves the next parse
         state.history_cache.remember((tenant, session), d.raw, d.payload, d.messages,
                                      d.spliced_from, scan=d.mode != "on")
@@ -364,7 +388,7 @@ def _log_mem(
 
 
 async def _measure_session(
-    state: GatewayState, tenant: str, session: str, d: Decision, debug: bool
+    state: GatewayState, tenant: str | None, session: str, d: Decision, debug: bool
 ) -> dict[str, Any]:
     """[mem] fields for a parsed history, reusing the session's previous request.
 
@@ -373,7 +397,8 @@ async def _measure_session(
     with last time (cut=none|kept|moved, prefix_tokens).
     """
     msgs = d.messages
-    prev = await state.sessions.get_record(tenant, session)
+    # without a tenant the session is nobody's: no record is read or kept
+    prev = None if tenant is None else await state.sessions.get_record(tenant, session)
     known, known_tokens = known_prefix(prev, msgs)
     grown = prev is not None and known == prev.n_messages
     if d.uncounted_chars() > OFFLOAD_CHARS:
@@ -390,6 +415,8 @@ async def _measure_session(
         status, same = compare_cut(prev, grown, kept, cut)
         fields.update(cut=status, prefix_tokens=sum(d.message_tokens(i) for i in kept[:same]))
     n = len(msgs)
+    if tenant is None:
+        return fields
     await state.sessions.put_record(
         tenant, session,
         SessionRecord(
@@ -408,6 +435,11 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     rules = state.rules
     flavor = flavor_for(request.path)
     info = Relayed()
+    up = rules.upstream_for(request.path, None)
+    try:
+        _admit(rules, up, request)
+    except Unauthorized as err:
+        return error_response(err, flavor)
     declared = request.content_length
     if declared is not None and declared > rules.max_body_bytes:
         return error_response(
@@ -429,7 +461,6 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
             body = await read_body(request, rules.max_body_bytes)
         except GatewayError as err:
             return error_response(err, flavor)
-    up = rules.upstream_for(request.path, None)
     try:
         return await relay(request, state.pool, up, body, info, extra)
     except GatewayError as err:
@@ -460,7 +491,8 @@ async def admin_session_memory(request: web.Request) -> web.Response:
         return web.json_response({"error": {"message": "admin API disabled: set "
                                             "MEMGATE_ADMIN_TOKEN", "type": "gateway_error",
                                             "code": "admin_disabled"}}, status=404)
-    if not hmac.compare_digest(token.encode(), given.encode()):
+    # a header's non-UTF-8 bytes arrive as surrogate escapes: compared as the bytes sent
+    if not hmac.compare_digest(token.encode(), given.encode("utf-8", "surrogateescape")):
         return web.json_response({"error": {"message": "missing or wrong X-Memgate-Admin-Token",
                                             "type": "gateway_error", "code": "unauthorized"}},
                                  status=401)

@@ -77,6 +77,11 @@ def target_url(up: Upstream, path_qs: str) -> str:
     return base + path_qs
 
 
+def injected_key(up: Upstream) -> str:
+    """The gateway's own key for this upstream ("" when it relays the client's)."""
+    return os.environ.get(up.api_key_env, "") if up.api_key_env else ""
+
+
 def request_headers(incoming: Any, up: Upstream) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in incoming.items():
@@ -84,10 +89,11 @@ def request_headers(incoming: Any, up: Upstream) -> CIMultiDict[str]:
         if low not in HOP_BY_HOP and low not in GATEWAY_HEADERS:
             out.add(k, v)
     if up.api_key_env:
-        key = os.environ.get(up.api_key_env, "")
+        key = injected_key(up)
         if key:  # the gateway's key replaces whatever the client sent
             out.popall("Authorization", None)
             out.popall("x-api-key", None)
+            out.popall("api-key", None)
             if up.api_key_header == "x-api-key":
                 out["x-api-key"] = key
             else:
