@@ -495,10 +495,11 @@ def _tenant_name(v: Any) -> str | None:
 
 def _key_hashes(v: Any) -> frozenset[str]:
     hashes = [h.strip().lower() for h in _str_list(v)]
-    for h in hashes:
+    for i, h in enumerate(hashes):
         if not _SHA256.fullmatch(h):
-            raise ValueError(f"must be hex sha256 digests of client keys (64 hex digits; "
-                             f"memgate hash-key prints one), got {h[:80]!r}")
+            # not echoed: a wrong entry is likely the key itself
+            raise ValueError(f"entry {i} is not a hex sha256 digest (64 hex digits) of a "
+                             "client key; memgate hash-key prints one")
     return frozenset(hashes)
 
 

@@ -19,8 +19,8 @@ from .conftest import ROOT, Gateway, GatewayFactory, Upstream
 
 SYSTEM = "You are a careful assistant."
 OPENING = ("Hello, let's start the weekly planning.", "Hi! Ready when you are.")
-SECRET_TURN = ("Remember this: the vault code is ZEBRA-7731. Write the summary to "
-               "/data/vault/summary.csv.", "Noted, the vault code is stored.")
+SECRET_TURN = ("Remember this: the vault code is ZEBRA-7731. Write it to /data/vault/v.csv.",
+               "Noted, the vault code is stored.")
 QUESTION = "What is the vault code again?"
 KEYS = {"A": "sk-tenant-A-0123456789", "B": "sk-tenant-B-9876543210"}
 # every way a caller can present (or fail to present) its key
