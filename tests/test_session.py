@@ -117,3 +117,27 @@ def test_tenants_config_is_validated_and_described() -> None:
     shown = yaml.safe_load(yaml.safe_dump(describe(merged)))["tenants"]
     assert shown == {"credential_headers": ["X-Client-Key"], "anonymous": None,
                      "client_keys_sha256": [good, "b" * 64], "allow_any_client": False}
+
+
+def test_hash_key_prints_what_the_allowlist_compares() -> None:
+    """memgate hash-key reads the key from stdin (a bare key or `Bearer <key>`) and prints
+    the digest the allowlist admits; no usable key is exit 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+
+    def run(stdin: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gateway", "hash-key"], input=stdin,
+                              capture_output=True, text=True, cwd=root, check=False, timeout=60)
+
+    out = run("sk-client-123\n")
+    assert out.returncode == 0
+    digest = out.stdout.strip()
+    assert digest == hashlib.sha256(b"sk-client-123").hexdigest()
+    assert run("Bearer sk-client-123").stdout.strip() == digest
+    rules = TenantRules(client_keys_sha256=frozenset({digest}))
+    assert client_refusal({"api-key": "sk-client-123"}, rules) is None
+    bad = run("Bearer \n")
+    assert bad.returncode == 2 and "no usable key" in bad.stderr and bad.stdout == ""
