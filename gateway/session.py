@@ -29,6 +29,7 @@ _KEY = re.compile(r"[\x21-\x7e]+")
 _PLACEHOLDERS = frozenset(("undefined", "null", "none", "nil"))
 
 
+@functools.lru_cache(maxsize=4096)  # a client sends the same value on every request
 def key_of(value: str) -> str | None:
     """The key in one header value, or None when it holds no usable one."""
     parts = value.split()
@@ -58,11 +59,16 @@ def key_sha256(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+@functools.lru_cache(maxsize=4096)
+def _tenant_of_key(key: str) -> str:
+    return "t-" + key_sha256(key)[:16]
+
+
 def tenant_of(headers: Mapping[str, str], rules: TenantRules) -> str | None:
     """A stable, non-reversible tenant id from the caller's key; without a usable key
     the configured anonymous tenant, else None (no memory)."""
     key = credential(headers, rules.credential_headers)
-    return rules.anonymous if key is None else "t-" + key_sha256(key)[:16]
+    return rules.anonymous if key is None else _tenant_of_key(key)
 
 
 def client_refusal(headers: Mapping[str, str], rules: TenantRules) -> str | None:
