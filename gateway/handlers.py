@@ -172,7 +172,8 @@ def intercept(wire: Wire) -> Handler:
                     # the measuring and the [mem] line follow the response
                     deferred = True
                     overhead_ms = (time.perf_counter() - t0) * 1000
-                    return await relay(request, state.pool, up, raw, info)
+                    return await relay(request, state.pool, up, raw, info,
+                                       credential_headers=rules.tenants.credential_headers)
                 d, session = _decide(state, request, rules, wire, raw, tenant)
                 if up is None:
                     up = rules.upstream_for(request.path, d.model)
@@ -188,7 +189,8 @@ def intercept(wire: Wire) -> Handler:
                 # measured while the upstream answers: the loop would wait for it otherwise
                 measuring = asyncio.ensure_future(
                     _measure(state, request, tenant, session, wire, d, rid))
-                return await relay(request, state.pool, up, d.forward, info)
+                return await relay(request, state.pool, up, d.forward, info,
+                                   credential_headers=rules.tenants.credential_headers)
             except GatewayError as err:
                 info.status = err.status
                 if not overhead_ms:
@@ -462,7 +464,8 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         except GatewayError as err:
             return error_response(err, flavor)
     try:
-        return await relay(request, state.pool, up, body, info, extra)
+        return await relay(request, state.pool, up, body, info, extra,
+                           rules.tenants.credential_headers)
     except GatewayError as err:
         return error_response(err, flavor)
 
@@ -492,7 +495,8 @@ async def admin_session_memory(request: web.Request) -> web.Response:
                                             "MEMGATE_ADMIN_TOKEN", "type": "gateway_error",
                                             "code": "admin_disabled"}}, status=404)
     # a header's non-UTF-8 bytes arrive as surrogate escapes: compared as the bytes sent
-    if not hmac.compare_digest(token.encode(), given.encode("utf-8", "surrogateescape")):
+    if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"),
+                               given.encode("utf-8", "surrogateescape")):
         return web.json_response({"error": {"message": "missing or wrong X-Memgate-Admin-Token",
                                             "type": "gateway_error", "code": "unauthorized"}},
                                  status=401)

@@ -761,12 +761,12 @@ def unguarded_injection(rules: Rules) -> list[str]:
         if up.api_key_env is None:
             continue
         if rules.tenants.allow_any_client:
-            out.append(f"upstream {up.name!r} gets ${up.api_key_env} and "
+            out.append(f"upstream {up.name!r} gets ${up.api_key_env} (when set) and "
                        "tenants.allow_any_client is on: anyone who reaches the port spends it")
         elif not rules.tenants.client_keys_sha256:
-            out.append(f"upstream {up.name!r} gets ${up.api_key_env} but no client keys are "
-                       "allowed (tenants.client_keys_sha256 / MEMGATE_CLIENT_KEYS_SHA256): "
-                       "its routes answer 401")
+            out.append(f"upstream {up.name!r} gets ${up.api_key_env} (when set) but no client "
+                       "keys are allowed (tenants.client_keys_sha256 / "
+                       "MEMGATE_CLIENT_KEYS_SHA256): its routes answer 401")
     return out
 
 

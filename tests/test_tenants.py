@@ -319,14 +319,15 @@ async def test_injected_key_serves_allowlisted_clients_only(
     gateway's key in its place; any other key, or none, is a 401 in the API's own error
     shape and nothing is forwarded."""
     gw, _ = await start(gateway, tmp_path, upstreams=injecting_upstreams(upstream.url),
-                        tenants={"client_keys_sha256": [sha(KEYS["A"])]})
-    await send(gw, "bearer", KEYS["A"], history(False, 1), None)
-    await send(gw, "x-api-key", KEYS["A"], history(False, 1), None)
-    await send(gw, "api-key", KEYS["A"], history(False, 1), None)
-    chat, messages, azure = (r["headers"] for r in upstream.received)
+                        tenants={**TENANTS, "client_keys_sha256": [sha(KEYS["A"])]})
+    for kind in ("bearer", "x-api-key", "api-key", "configured"):
+        await send(gw, kind, KEYS["A"], history(False, 1), None)
+    chat, messages, azure, custom = (r["headers"] for r in upstream.received)
     assert chat["Authorization"] == f"Bearer {INJECTED['openai']}"
     assert messages["x-api-key"] == INJECTED["anthropic"]
     assert azure["Authorization"] == f"Bearer {INJECTED['openai']}" and "api-key" not in azure
+    assert custom["Authorization"] == f"Bearer {INJECTED['openai']}"
+    assert "X-Client-Key" not in custom  # the client's own credential stays here
     assert all(KEYS["A"] not in str(dict(r["headers"])) for r in upstream.received)
 
     with pytest.raises(openai.AuthenticationError) as oe:
@@ -346,7 +347,7 @@ async def test_injected_key_serves_allowlisted_clients_only(
                 assert (await r.json())["error"]["code"] == "unauthorized"
             async with s.get(f"{gw.url}/v1/models", headers=headers) as r:  # passthrough
                 assert r.status == 401
-    assert len(upstream.received) == 3  # nothing of the refused requests went upstream
+    assert len(upstream.received) == 4  # nothing of the refused requests went upstream
     async with aiohttp.ClientSession() as s, s.get(
             f"{gw.url}/v1/models", headers={"Authorization": f"Bearer {KEYS['A']}"}) as r:
         assert r.status == 200
