@@ -21,7 +21,7 @@ from .memory_api import MemoryService
 from .memory_api import routes as memory_routes
 from .metrics import Metrics
 from .reload import Reloader
-from .rules import Rules
+from .rules import Rules, unguarded_injection
 from .state import MemoryState, RedisState
 from .tokens import Tokenizers
 from .upstream import UpstreamPool
@@ -78,6 +78,11 @@ def _preload_tokenizers(state: GatewayState, rules: Rules) -> None:
                        fallback=actual != wanted, models=",".join(models))
 
 
+def _warn_injection(state: GatewayState, rules: Rules) -> None:
+    for detail in unguarded_injection(rules):
+        state.log.warning("injected_key_unguarded", detail=detail)
+
+
 def _session_state(
     rules: Rules, env: Mapping[str, str], log: Callable[[], Any]
 ) -> MemoryState | RedisState:
@@ -111,6 +116,8 @@ def create_app(
             _preload_tokenizers(state, new)
         state.capture.config_changed(new.capture)
         state.history.resize(new.history_cache_mb << 20, new.max_tracked_sessions)
+        if (old.upstreams, old.tenants) != (new.upstreams, new.tenants):
+            _warn_injection(state, new)
 
     reloader = Reloader(config_path, env or {}, rules, on_swap, log, watch_interval_s,
                         on_result=lambda result: state.metrics.reloads.labels(result).inc())
@@ -134,6 +141,7 @@ def create_app(
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         _preload_tokenizers(state, state.rules)
+        _warn_injection(state, state.rules)
         for up in state.rules.upstreams:
             state.pool.session(up)
         watcher = asyncio.create_task(reloader.run()) if config_path else None
@@ -174,7 +182,8 @@ def create_app(
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/admin/sessions/{session}/memory", handlers.admin_session_memory)
     app.router.add_routes(memory_routes(lambda r: r.app[STATE].memory,
-                                        lambda r: r.app[STATE].rules.store))
+                                        lambda r: r.app[STATE].rules.store,
+                                        lambda r: r.app[STATE].rules.tenants))
     for path, wire in PATHS.items():
         app.router.add_post(path, handlers.intercept(wire))
     app.router.add_route("*", "/{tail:.*}", handlers.passthrough)

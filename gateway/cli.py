@@ -192,15 +192,18 @@ async def _recall_offline(d: Any, rules: Rules, env: Mapping[str, str], payload:
     from .session import session_id, tenant_of
     from .store import make_store
 
-    tenant = tenant_of({"Authorization": f"Bearer {env['OPENAI_API_KEY']}"}
-                       if env.get("OPENAI_API_KEY") else {})
+    tenant = tenant_of({"Authorization": f"Bearer {env.get('OPENAI_API_KEY', '')}"},
+                       rules.tenants)
     session = session_id({}, rules.session_header, payload, tenant, "", "")
-    store = make_store(rules.store, env)
-    await store.open()
-    try:
-        recalled = await recall(store, rules.store, tenant, session, d)
-    finally:
-        await store.close()
+    if tenant is None:  # no key: only the turns being dropped, as the server would
+        recalled = await recall(None, rules.store, "", session, d)
+    else:
+        store = make_store(rules.store, env)
+        await store.open()
+        try:
+            recalled = await recall(store, rules.store, tenant, session, d)
+        finally:
+            await store.close()
     return decide(d.raw, payload, rules, tokenizers, wire, recalled=recalled) if recalled else d
 
 
@@ -289,7 +292,11 @@ def cmd_memory(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     rules = _load_or_exit(default_config(args.config, env), env)
     key = args.api_key or env.get("OPENAI_API_KEY", "")
-    tenant = tenant_of({"Authorization": f"Bearer {key}"} if key else {})
+    tenant = tenant_of({"Authorization": f"Bearer {key}"}, rules.tenants)
+    if tenant is None:
+        print("memgate memory: whose records? give --api-key or $OPENAI_API_KEY "
+              "(or map keyless callers with tenants.anonymous)", file=sys.stderr)
+        return 2
 
     async def run() -> int:
         store = make_store(rules.store, env)
@@ -327,6 +334,20 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- main
+
+
+def cmd_hash_key(args: argparse.Namespace) -> int:
+    """Read from stdin (a key on the command line would stay in the shell history)."""
+    from .session import credential, key_sha256
+
+    text = sys.stdin.readline().strip()
+    key = credential({"Authorization": text})
+    if key is None:
+        print("memgate hash-key: no usable key on stdin (visible ASCII, optionally "
+              "'Bearer <key>')", file=sys.stderr)
+        return 2
+    print(key_sha256(key))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -380,6 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
     mg = msub.add_parser("get", help="one record by memory_id")
     mg.add_argument("memory_id")
     mem.set_defaults(func=cmd_memory)
+
+    hk = sub.add_parser("hash-key", help="sha256 of a client key read from stdin, for "
+                                         "tenants.client_keys_sha256")
+    hk.set_defaults(func=cmd_hash_key)
 
     rp = sub.add_parser("replay", help="replay conversations: ab")
     rsub = rp.add_subparsers(dest="replay_command", required=True)

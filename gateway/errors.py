@@ -2,6 +2,7 @@
 
     GatewayError                 base: carries an HTTP status and a code
     ├── BadRequest               400: the client's body breaks a gateway rule
+    ├── Unauthorized             401: a route with the gateway's own key, caller not allowed
     ├── PayloadTooLarge          413: body over limits.max_body_bytes
     ├── OverBudget               400: on_over_budget=reject and the forced part is too big
     ├── UpstreamUnreachable      502: connect refused / DNS / reset before a response
@@ -33,6 +34,11 @@ class GatewayError(Exception):
 class BadRequest(GatewayError):
     status = 400
     code = "invalid_request"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    code = "unauthorized"
 
 
 class PayloadTooLarge(GatewayError):
@@ -69,6 +75,7 @@ def render_error(err: GatewayError, flavor: ApiFlavor = "openai") -> bytes:
     if flavor == "anthropic":
         anthropic_type = {
             400: "invalid_request_error",
+            401: "authentication_error",
             413: "request_too_large",
             502: "api_error",
             504: "timeout_error",

@@ -19,12 +19,12 @@ from .app import STATE, GatewayState
 from .backends import BackendDown, iso_utc
 from .capture import record as capture_record
 from .chat import Decision, decide
-from .errors import ApiFlavor, GatewayError, PayloadTooLarge, render_error
+from .errors import ApiFlavor, GatewayError, PayloadTooLarge, Unauthorized, render_error
 from .recall import GuardedStore, archive_records, recall
-from .rules import Rules
-from .session import session_id, tenant_of
+from .rules import Rules, Upstream
+from .session import client_refusal, session_id, tenant_of
 from .state import RedisState, SessionRecord, compare_cut, fingerprint, known_prefix
-from .upstream import Relayed, relay
+from .upstream import Relayed, injected_key, relay
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
 
@@ -74,8 +74,17 @@ def _text(content: Any) -> str:
     return "" if content is None else orjson.dumps(content).decode()
 
 
+def _admit(rules: Rules, up: Upstream, request: web.Request) -> None:
+    """A route whose upstream gets the gateway's own key serves allowlisted callers only:
+    anyone else would spend that key."""
+    if injected_key(up):
+        why = client_refusal(request.headers, rules.tenants)
+        if why is not None:
+            raise Unauthorized(why)
+
+
 def _session(request: web.Request, header: str, payload: Any, items: list[Any] | None,
-             tenant: str) -> str:
+             tenant: str | None) -> str:
     system, first_user = "", ""
     for m in items or ():
         if not isinstance(m, dict):
@@ -145,7 +154,8 @@ def intercept(wire: Wire) -> Handler:
         info = Relayed()
         d: Decision | None = None
         overhead_ms = 0.0
-        tenant = tenant_of(request.headers)
+        # None: no usable credential (and no anonymous tenant), so no memory at all
+        tenant = tenant_of(request.headers, rules.tenants)
         session = ""
         raw: bytes | None = None
         deferred = False
@@ -153,24 +163,37 @@ def intercept(wire: Wire) -> Handler:
         recall_failed = False
         try:
             try:
+                # chosen by path alone unless an upstream chooses by model (then the body
+                # is read first): a refused caller's body is not even read
+                up = None if rules.routes_by_model else rules.upstream_for(request.path)
+                if up is not None:
+                    _admit(rules, up, request)
                 raw = await read_body(request, rules.max_body_bytes)
-                if _unchangeable(state, rules, wire, raw):
+                if up is not None and _unchangeable(state, rules, wire, raw):
                     # nothing a decision could change: the client's bytes go upstream now,
                     # the measuring and the [mem] line follow the response
                     deferred = True
                     overhead_ms = (time.perf_counter() - t0) * 1000
-                    return await relay(request, state.pool, rules.upstream_for(request.path),
-                                       raw, info)
+                    return await relay(request, state.pool, up, raw, info,
+                                       credential_headers=rules.tenants.credential_headers)
                 d, session = _decide(state, request, rules, wire, raw, tenant)
-                if rules.store.recall_enabled and d.mode == "on" and d.plan is not None:
+                if up is None:
+                    up = rules.upstream_for(request.path, d.model)
+                    try:
+                        _admit(rules, up, request)
+                    except Unauthorized:
+                        d = None  # nothing of a refused request is archived or remembered
+                        raise
+                if (tenant is not None and rules.store.recall_enabled and d.mode == "on"
+                        and d.plan is not None):
                     d, recall_failed = await _with_recall(state, rules, wire, d, tenant,
                                                           session)
-                up = rules.upstream_for(request.path, d.model)
                 overhead_ms = (time.perf_counter() - t0) * 1000
                 # measured while the upstream answers: the loop would wait for it otherwise
                 measuring = asyncio.ensure_future(
                     _measure(state, request, tenant, session, wire, d, rid, recall_failed))
-                return await relay(request, state.pool, up, d.forward, info)
+                return await relay(request, state.pool, up, d.forward, info,
+                                   credential_headers=rules.tenants.credential_headers)
             except GatewayError as err:
                 info.status = err.status
                 if not overhead_ms:
@@ -224,7 +247,7 @@ def _unchangeable(state: GatewayState, rules: Rules, wire: Wire, raw: bytes) -> 
 
 def _decide(
     state: GatewayState, request: web.Request, rules: Rules, wire: Wire, raw: bytes,
-    tenant: str,
+    tenant: str | None,
 ) -> tuple[Decision, str]:
     """Parse and plan one body; (decision, session id)."""
     history = state.history_cache
@@ -238,14 +261,15 @@ def _decide(
         payload = None
     items = wire.items(payload) if isinstance(payload, dict) else None
     session = _session(request, rules.session_header, payload, items, tenant)
+    # a caller without a tenant has no session history: its requests share nothing
     d = decide(raw, payload, rules, state.tokenizers, wire, history=history,
-               key=(tenant, session))
+               key=None if tenant is None else (tenant, session))
     d.spliced_from = src
     return d, session
 
 
 async def _account(
-    state: GatewayState, request: web.Request, tenant: str, session: str, wire: Wire,
+    state: GatewayState, request: web.Request, tenant: str | None, session: str, wire: Wire,
     d: Decision | None, info: Relayed, overhead_ms: float, rid: str,
     measuring: asyncio.Future[tuple[dict[str, Any], dict[str, Any]]] | None,
 ) -> None:
@@ -282,7 +306,7 @@ async def _with_recall(
 async def _measure(
     state: GatewayState,
     request: web.Request,
-    tenant: str,
+    tenant: str | None,
     session: str,
     wire: Wire,
     d: Decision | None,
@@ -311,7 +335,8 @@ async def _measure(
         tail["recalled"] = len(d.recalled)
     if recall_failed:
         tail["recall"] = "failed"
-    if (d.plan is not None and d.mode == "on"
+    # a caller without a tenant gets no memory: nothing archived, no snapshot kept
+    if (tenant is not None and d.plan is not None and d.mode == "on"
             and state.rules.store.archive != "off" and state.memory is not None):
         agent = request.headers.get("X-Agent-Id", "") or "default"
         # turns starting before `since` were archived by the session's earlier requests
@@ -324,10 +349,11 @@ async def _measure(
             entry.archived_upto = upto  # a full queue dropped them: all again next time
     if d.note is not None and d.snapshot is not None:
         tail["carried"] = d.snapshot.count
-        try:
-            await state.sessions.put_snapshot(tenant, session, d.snapshot.fields)
-        except BackendDown:  # counted and logged by the breaker
-            head["state"] = "unavailable"
+        if tenant is not None:
+            try:
+                await state.sessions.put_snapshot(tenant, session, d.snapshot.fields)
+            except BackendDown:  # counted and logged by the breaker
+                head["state"] = "unavailable"
         if state.rules.memory.carry.log_skipped:
             for what, reason in d.snapshot.skipped:
                 state.log.info("carry_skip", session=session, field=what, reason=reason,
@@ -336,7 +362,7 @@ async def _measure(
         tail["cache_marker_dropped"] = True
         if d.cache_marker_moved:
             tail["cache_marker"] = "moved"
-    if (d.view is not None and d.view.entry is not None
+    if (tenant is not None and d.view is not None and d.view.entry is not None
             and state.history_cache is not None):  # only ever saves the next parse
         state.history_cache.remember((tenant, session), d.raw, d.payload, d.messages,
                                      d.spliced_from, scan=d.mode != "on")
@@ -375,7 +401,7 @@ def _log_mem(
 
 
 async def _measure_session(
-    state: GatewayState, tenant: str, session: str, d: Decision, debug: bool
+    state: GatewayState, tenant: str | None, session: str, d: Decision, debug: bool
 ) -> dict[str, Any]:
     """[mem] fields for a parsed history, reusing the session's previous request.
 
@@ -385,10 +411,12 @@ async def _measure_session(
     """
     msgs = d.messages
     state_ok = True
-    try:
-        prev = await state.sessions.get_record(tenant, session)
-    except BackendDown:  # measured as a first request; what needs the record is unknown
-        prev, state_ok = None, False
+    prev = None
+    if tenant is not None:  # without a tenant the session is nobody's: no record is kept
+        try:
+            prev = await state.sessions.get_record(tenant, session)
+        except BackendDown:  # measured as a first request; what needs the record is unknown
+            state_ok = False
     known, known_tokens = known_prefix(prev, msgs)
     grown = prev is not None and known == prev.n_messages
     if d.uncounted_chars() > OFFLOAD_CHARS:
@@ -407,6 +435,8 @@ async def _measure_session(
     elif on:
         fields["cut"] = "unknown"
     n = len(msgs)
+    if tenant is None:
+        return fields
     try:
         await state.sessions.put_record(
             tenant, session,
@@ -430,6 +460,11 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     rules = state.rules
     flavor = flavor_for(request.path)
     info = Relayed()
+    up = rules.upstream_for(request.path, None)
+    try:
+        _admit(rules, up, request)
+    except Unauthorized as err:
+        return error_response(err, flavor)
     declared = request.content_length
     if declared is not None and declared > rules.max_body_bytes:
         return error_response(
@@ -451,9 +486,9 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
             body = await read_body(request, rules.max_body_bytes)
         except GatewayError as err:
             return error_response(err, flavor)
-    up = rules.upstream_for(request.path, None)
     try:
-        return await relay(request, state.pool, up, body, info, extra)
+        return await relay(request, state.pool, up, body, info, extra,
+                           rules.tenants.credential_headers)
     except GatewayError as err:
         return error_response(err, flavor)
 
@@ -482,7 +517,9 @@ async def admin_session_memory(request: web.Request) -> web.Response:
         return web.json_response({"error": {"message": "admin API disabled: set "
                                             "MEMGATE_ADMIN_TOKEN", "type": "gateway_error",
                                             "code": "admin_disabled"}}, status=404)
-    if not hmac.compare_digest(token.encode(), given.encode()):
+    # a header's non-UTF-8 bytes arrive as surrogate escapes: compared as the bytes sent
+    if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"),
+                               given.encode("utf-8", "surrogateescape")):
         return web.json_response({"error": {"message": "missing or wrong X-Memgate-Admin-Token",
                                             "type": "gateway_error", "code": "unauthorized"}},
                                  status=401)

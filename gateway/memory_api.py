@@ -2,7 +2,8 @@
 
 `POST /v1/memories` (write), `POST /v1/memories/search`, `GET` and `DELETE
 /v1/memories/{id}`. The tenant is the hash of the caller's API key — never a
-field of the body — so no filter can reach another tenant's records.
+field of the body — so no filter can reach another tenant's records; a caller
+without a usable key is refused unless `tenants.anonymous` names its tenant.
 Archiving goes through a bounded queue written by a background task: it never
 blocks a request, and the queue is flushed on shutdown.
 """
@@ -18,7 +19,8 @@ import orjson
 from aiohttp import web
 
 from .backends import Backend, BackendDown
-from .session import credential, tenant_of
+from .rules import TenantRules
+from .session import tenant_of
 from .store import Store, StoreError, StoreRules, build_filter, build_record, make_store
 from .store.model import Record
 
@@ -81,23 +83,25 @@ def _error(status: int, message: str, code: str) -> web.Response:
         {"error": {"message": message, "type": "gateway_error", "code": code, "param": None}}))
 
 
-async def _caller(request: web.Request) -> tuple[str, Any] | web.Response:
-    if not credential(request.headers):
-        return _error(401, "the memory API needs the caller's API key (Authorization or "
-                           "x-api-key): it decides which tenant's records you see", "unauthorized")
+async def _caller(request: web.Request, tenants: TenantRules) -> tuple[str, Any] | web.Response:
+    tenant = tenant_of(request.headers, tenants)
+    if tenant is None:
+        return _error(401, "the memory API needs the caller's API key (Authorization: Bearer, "
+                           "x-api-key or api-key): it decides which tenant's records you see",
+                      "unauthorized")
     try:
         body = orjson.loads(await request.read()) if request.body_exists else None
     except orjson.JSONDecodeError:
         return _error(400, "the body is not valid JSON", "invalid_json")
-    return tenant_of(request.headers), body
+    return tenant, body
 
 
-def routes(service_of: Any, rules_of: Any) -> list[web.RouteDef]:
-    """The /v1/memories routes; `service_of(request)` and `rules_of(request)` give the
-    MemoryService and the current StoreRules."""
+def routes(service_of: Any, rules_of: Any, tenants_of: Any) -> list[web.RouteDef]:
+    """The /v1/memories routes; `service_of(request)`, `rules_of(request)` and
+    `tenants_of(request)` give the MemoryService, the current StoreRules and TenantRules."""
 
     async def write(request: web.Request) -> web.Response:
-        got = await _caller(request)
+        got = await _caller(request, tenants_of(request))
         if isinstance(got, web.Response):
             return got
         tenant, body = got
@@ -126,7 +130,7 @@ def routes(service_of: Any, rules_of: Any) -> list[web.RouteDef]:
                                  status=201)
 
     async def search(request: web.Request) -> web.Response:
-        got = await _caller(request)
+        got = await _caller(request, tenants_of(request))
         if isinstance(got, web.Response):
             return got
         tenant, body = got
@@ -143,7 +147,7 @@ def routes(service_of: Any, rules_of: Any) -> list[web.RouteDef]:
             for r, score in results]}))
 
     async def get(request: web.Request) -> web.Response:
-        got = await _caller(request)
+        got = await _caller(request, tenants_of(request))
         if isinstance(got, web.Response):
             return got
         tenant, _ = got
@@ -154,7 +158,7 @@ def routes(service_of: Any, rules_of: Any) -> list[web.RouteDef]:
         return web.Response(content_type="application/json", body=orjson.dumps(rec.public()))
 
     async def delete(request: web.Request) -> web.Response:
-        got = await _caller(request)
+        got = await _caller(request, tenants_of(request))
         if isinstance(got, web.Response):
             return got
         tenant, _ = got

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +121,18 @@ class StateRules:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantRules:
+    """Who a caller is (session.py reads these): the extra headers that carry its key,
+    the tenant of callers without one (None: no memory), and which client keys may
+    use a route whose upstream gets the gateway's own key."""
+
+    credential_headers: tuple[str, ...] = ()  # after Authorization, x-api-key, api-key
+    anonymous: str | None = None
+    client_keys_sha256: frozenset[str] = frozenset()  # + $MEMGATE_CLIENT_KEYS_SHA256
+    allow_any_client: bool = False  # an injected key serves any caller: explicit opt-out
+
+
+@dataclass(frozen=True, slots=True)
 class Rules:
     memory: Memory = field(default_factory=Memory)
     upstreams: tuple[Upstream, ...] = (
@@ -140,6 +153,7 @@ class Rules:
     capture: CaptureRules = field(default_factory=CaptureRules)
     store: StoreRules = field(default_factory=StoreRules)
     state: StateRules = field(default_factory=StateRules)
+    tenants: TenantRules = field(default_factory=TenantRules)
     models: tuple[ModelInfo, ...] = ()
     default_encoding: str = "cl100k_base"
     default_context_window: int = 8192
@@ -461,6 +475,52 @@ def _parse_store(r: _Reader, data: Any) -> StoreRules:
     )
 
 
+_HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+_TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _header_names(v: Any) -> tuple[str, ...]:
+    names = _str_list(v)
+    for n in names:
+        if not _HEADER.fullmatch(n):
+            raise ValueError(f"{n!r} is not an HTTP header name")
+    return names
+
+
+def _tenant_name(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not _TENANT.fullmatch(v) or v.startswith("t-"):
+        # t-<hex> is what keys hash to: a name must never equal a key's tenant
+        raise ValueError(f"must be 1-64 of A-Z a-z 0-9 . _ - not starting with t-, got {v!r}")
+    return v
+
+
+def _key_hashes(v: Any) -> frozenset[str]:
+    hashes = [h.strip().lower() for h in _str_list(v)]
+    for i, h in enumerate(hashes):
+        if not _SHA256.fullmatch(h):
+            # not echoed: a wrong entry is likely the key itself
+            raise ValueError(f"entry {i} is not a hex sha256 digest (64 hex digits) of a "
+                             "client key; memgate hash-key prints one")
+    return frozenset(hashes)
+
+
+def _parse_tenants(r: _Reader, data: Any) -> TenantRules:
+    k = "tenants"
+    t = r.section(data, k, {"credential_headers", "anonymous", "client_keys_sha256",
+                            "allow_any_client"})
+    d = TenantRules()
+    return TenantRules(
+        credential_headers=r.get(t, k, "credential_headers", _header_names,
+                                 d.credential_headers),
+        anonymous=r.get(t, k, "anonymous", _tenant_name, d.anonymous),
+        client_keys_sha256=r.get(t, k, "client_keys_sha256", _key_hashes, d.client_keys_sha256),
+        allow_any_client=r.get(t, k, "allow_any_client", _bool, d.allow_any_client),
+    )
+
+
 def _parse_upstreams(r: _Reader, data: Any) -> tuple[Upstream, ...]:
     if data is None:
         return Rules().upstreams
@@ -585,7 +645,7 @@ def build_rules(
         data if data is not None else {},
         "",
         {"memory", "upstreams", "listen", "logging", "limits", "session", "tokens", "capture",
-         "store", "state"},
+         "store", "state", "tenants"},
     )
     memory, carry_path = _parse_memory(r, top.get("memory"), base_dir)
     c = r.section(top.get("capture"), "capture",
@@ -648,6 +708,7 @@ def build_rules(
         capture=capture,
         store=store,
         state=state,
+        tenants=_parse_tenants(r, top.get("tenants")),
         models=models,
         default_encoding=default_encoding,
         default_context_window=default_window,
@@ -688,7 +749,34 @@ def apply_env(rules: Rules, env: Mapping[str, str]) -> Rules:
             raise RulesError("env:MEMGATE_LOG_FORMAT", None, "MEMGATE_LOG_FORMAT",
                              f"must be console or json, got {fmt!r}")
         log_format = fmt  # type: ignore[assignment]
-    return replace(rules, memory=memory, upstreams=tuple(upstreams), log_format=log_format)
+    tenants = rules.tenants
+    keys = env.get("MEMGATE_CLIENT_KEYS_SHA256", "").replace(",", " ").split()
+    if keys:
+        try:
+            tenants = replace(tenants, client_keys_sha256=tenants.client_keys_sha256
+                              | _key_hashes(keys))
+        except ValueError as exc:
+            raise RulesError("env:MEMGATE_CLIENT_KEYS_SHA256", None,
+                             "MEMGATE_CLIENT_KEYS_SHA256", str(exc)) from None
+    return replace(rules, memory=memory, upstreams=tuple(upstreams), log_format=log_format,
+                   tenants=tenants)
+
+
+def unguarded_injection(rules: Rules) -> list[str]:
+    """Startup/reload warnings: upstreams that get the gateway's own key, and what
+    happens to callers of their routes."""
+    out = []
+    for up in rules.upstreams:
+        if up.api_key_env is None:
+            continue
+        if rules.tenants.allow_any_client:
+            out.append(f"upstream {up.name!r} gets ${up.api_key_env} (when set) and "
+                       "tenants.allow_any_client is on: anyone who reaches the port spends it")
+        elif not rules.tenants.client_keys_sha256:
+            out.append(f"upstream {up.name!r} gets ${up.api_key_env} (when set) but no client "
+                       "keys are allowed (tenants.client_keys_sha256 / "
+                       "MEMGATE_CLIENT_KEYS_SHA256): its routes answer 401")
+    return out
 
 
 def describe(rules: Rules) -> dict[str, Any]:
@@ -698,6 +786,7 @@ def describe(rules: Rules) -> dict[str, Any]:
     patterns = rules.memory.carry_patterns
     out = asdict(replace(rules, memory=replace(rules.memory, carry_patterns=None)))
     out.pop("memo", None)  # a cache, not configuration
+    out["tenants"]["client_keys_sha256"] = sorted(rules.tenants.client_keys_sha256)
     out["memory"]["mode"] = rules.memory.mode
     out["memory"]["carry_patterns"] = (
         f"{len(patterns.refs)} ref patterns, {len(patterns.deictics)} deictics"

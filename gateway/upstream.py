@@ -77,17 +77,28 @@ def target_url(up: Upstream, path_qs: str) -> str:
     return base + path_qs
 
 
-def request_headers(incoming: Any, up: Upstream) -> CIMultiDict[str]:
+def injected_key(up: Upstream) -> str:
+    """The gateway's own key for this upstream ("" when it relays the client's)."""
+    return os.environ.get(up.api_key_env, "") if up.api_key_env else ""
+
+
+def request_headers(incoming: Any, up: Upstream,
+                    credential_headers: tuple[str, ...] = ()) -> CIMultiDict[str]:
+    """What goes upstream: no hop-by-hop or gateway headers; with the gateway's own key,
+    none of the client's credentials either (`credential_headers`: configured ones)."""
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in incoming.items():
         low = k.lower()
         if low not in HOP_BY_HOP and low not in GATEWAY_HEADERS:
             out.add(k, v)
     if up.api_key_env:
-        key = os.environ.get(up.api_key_env, "")
+        key = injected_key(up)
         if key:  # the gateway's key replaces whatever the client sent
             out.popall("Authorization", None)
             out.popall("x-api-key", None)
+            out.popall("api-key", None)
+            for name in credential_headers:
+                out.popall(name, None)
             if up.api_key_header == "x-api-key":
                 out["x-api-key"] = key
             else:
@@ -118,13 +129,14 @@ async def relay(
     body: bytes | AsyncIterator[bytes] | None,
     info: Relayed,
     extra_headers: dict[str, str] | None = None,
+    credential_headers: tuple[str, ...] = (),
 ) -> web.StreamResponse:
     """Send the request upstream and stream the answer back as it arrives.
 
     Raises GatewayError when no upstream response could be had; once the
     response has started, failures end the stream and are recorded in `info`.
     """
-    headers = request_headers(request.headers, up)
+    headers = request_headers(request.headers, up, credential_headers)
     if extra_headers:
         headers.update(extra_headers)
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gateway.rules import TenantRules
 from gateway.session import tenant_of
 from gateway.store.model import Filter
 from gateway.store.sqlite import SqliteStore
@@ -126,7 +127,9 @@ async def test_archive_evicted_turns_once_and_recall_them(
     await gw.server.close()  # shutdown flushes the write-behind queue
     store = SqliteStore(str(db))
     await store.open()
-    rows = await store.search(Filter(tenant=tenant_of(AUTH), agent_id=None, session_id="s-arch",
+    tenant = tenant_of(AUTH, TenantRules())
+    assert tenant is not None
+    rows = await store.search(Filter(tenant=tenant, agent_id=None, session_id="s-arch",
                                      time_from=0, time_to=1 << 62, boundary="closed", top_k=100))
     await store.close()
     assert len(rows) == int(ev[0]["archived"])  # the second request archived nothing new
