@@ -25,9 +25,9 @@ MAX_ID_CHARS = 256  # ids and tags are index keys (a PostgreSQL b-tree entry is 
 MAX_TAGS = 100
 MAX_QUERY_TERMS = 64  # the first distinct terms of a query; the rest is not searched
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-TS_MIN = int((datetime(1, 1, 1, tzinfo=UTC) - _EPOCH) / timedelta(microseconds=1))
-TS_MAX = int((datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC) - _EPOCH)
-             / timedelta(microseconds=1))
+_US = timedelta(microseconds=1)  # `// _US` is exact; `/ _US`, a float, rounds after ~2255
+TS_MIN = (datetime(1, 1, 1, tzinfo=UTC) - _EPOCH) // _US
+TS_MAX = (datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC) - _EPOCH) // _US
 Boundary = Literal["closed", "half_open"]
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -46,6 +46,15 @@ class StoreUnavailable(StoreError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, 503)
+
+
+class MemoryExists(StoreError):
+    """A write of a memory_id the tenant holds already (records[index] of the write)."""
+
+    def __init__(self, memory_id: str, index: int) -> None:
+        super().__init__(f"memory_id {memory_id!r} exists already for this API key; delete it "
+                         "first, or write without memory_id to get a new one", 409)
+        self.memory_id, self.index = memory_id, index
 
 
 def shown(v: Any) -> str:
@@ -106,7 +115,7 @@ def parse_ts(value: Any, key: str) -> int:
     if dt.tzinfo is None:
         raise StoreError(f"{key}: timestamp without a timezone: {shown(value)} "
                          "(add Z or an offset such as +08:00)")
-    us = int((dt - _EPOCH) / timedelta(microseconds=1))
+    us = (dt - _EPOCH) // _US
     if not TS_MIN <= us <= TS_MAX:  # e.g. year 1 at +08:00 is year 0 in UTC
         raise StoreError(f"{key}: {shown(value)} is outside the years 1 to 9999 in UTC")
     return us
@@ -117,7 +126,7 @@ def format_ts(us: int) -> str:
 
 
 def now_us() -> int:
-    return int((datetime.now(UTC) - _EPOCH) / timedelta(microseconds=1))
+    return (datetime.now(UTC) - _EPOCH) // _US
 
 
 def index_text(text: str) -> str:
