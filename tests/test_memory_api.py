@@ -177,6 +177,12 @@ def test_memory_cli_round_trip(tmp_path: Path) -> None:
                "--query", "预算")
     assert [r["memory_id"] for r in found] == [made["memory_id"]]
     assert mg("get", made["memory_id"])["ts"] == "2026-01-02T02:04:05+00:00"
+    again = subprocess.run([sys.executable, "-m", "gateway", "memory", "--config", str(cfg),
+                            "--api-key", "k1", "write", orjson.dumps(
+                                {"memory_id": made["memory_id"], "session_id": "s1",
+                                 "ts": "2026-01-02T03:04:05Z", "text": "x"}).decode()],
+                           capture_output=True, text=True, cwd=root, check=False, timeout=60)
+    assert again.returncode == 2 and "exists already" in again.stderr
 
 
 def test_evict_offline_includes_recall(tmp_path: Path) -> None:
