@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from gateway.store.model import KINDS, MAX_QUERY_TERMS
 from gateway.store.sqlite import SqliteStore
 
-from .conftest import ROOT, GatewayFactory
+from .conftest import PG_DSN, ROOT, GatewayFactory, pg_schema
 from .perf.bench_gateway import free_port
-from .test_memory_api import AUTH, BACKENDS, SEED_WRITE, call, memory_gateway
+from .test_memory_api import AUTH, BACKENDS, SEED_WRITE, call, conversation, memory_gateway
 
 
 def assert_shaped(status: int, body: Any, want: int, code: str | None = None) -> str:
@@ -293,3 +293,30 @@ async def test_any_json_body_gets_a_shaped_answer_and_no_5xx(
             assert_shaped(r.status, answer, r.status)
     async with s.get(f"{base}/none", headers=AUTH) as r:  # the same (only) connection
         assert r.status == 404
+
+
+async def test_a_20k_word_question_recalls_from_postgres(gateway: GatewayFactory) -> None:
+    """Recall on a chat request searches the store with the latest question: a 20,000-word
+    one is answered 200 with its [mem] line (PostgreSQL failed 'stack depth limit exceeded')."""
+    async with pg_schema() as (schema, _):
+        budget = {"max_tokens": 1200, "max_chars": None, "max_messages": None,
+                  "max_turns": None}
+        gw = await gateway(memory={"enable_eviction": True, "budget": budget},
+                           store={"backend": "postgres", "archive": "evicted",
+                                  "recall": {"enabled": True, "top_k": 2}},
+                           env={"MEMGATE_STORE_DSN": f"{PG_DSN}?options=-csearch_path%3D{schema}"})
+        headers = {**AUTH, "X-Session-Id": "s-long"}
+        msgs = conversation()
+        url = f"{gw.url}/v1/chat/completions"
+        assert (await call("POST", url, {"model": "gpt-4o-mini", "messages": msgs}, headers))[0] \
+            == 200
+        deadline = time.monotonic() + 10
+        while not gw.state.memory.written and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert gw.state.memory.written > 0  # the store holds the evicted turns
+        question = " ".join(f"word{i}" for i in range(20_000)) + " codename"
+        msgs[-1] = {"role": "user", "content": question}
+        status, _ = await call("POST", url, {"model": "gpt-4o-mini", "messages": msgs}, headers)
+        assert status == 200
+        assert len(await gw.wait_mem(2)) == 2
+        await gw.server.close()
