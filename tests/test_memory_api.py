@@ -209,16 +209,18 @@ def test_evict_offline_includes_recall(tmp_path: Path) -> None:
 
 @contextlib.asynccontextmanager
 async def memory_gateway(gateway: GatewayFactory, backend: str, tmp_path: Path,
+                         memory: dict[str, Any] | None = None,
                          **store: Any) -> AsyncIterator[str]:
     """A gateway whose store is a SQLite file or a throwaway PostgreSQL schema; yields the
     /v1/memories URL."""
     async with contextlib.AsyncExitStack() as stack:
         if backend == "sqlite":
-            gw = await gateway(store={"path": str(tmp_path / "m.db"), **store})
+            gw = await gateway(memory, store={"path": str(tmp_path / "m.db"), **store})
         else:
             schema, _ = await stack.enter_async_context(pg_schema())
-            gw = await gateway(store={"backend": "postgres", **store},
-                               env={"MEMGATE_STORE_DSN": f"{PG_DSN}?options=-csearch_path%3D{schema}"})
+            dsn = f"{PG_DSN}?options=-csearch_path%3D{schema}"
+            gw = await gateway(memory, store={"backend": "postgres", **store},
+                               env={"MEMGATE_STORE_DSN": dsn})
         stack.push_async_callback(gw.server.close)  # before the schema is dropped
         yield f"{gw.url}/v1/memories"
 

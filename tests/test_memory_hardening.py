@@ -202,15 +202,20 @@ async def test_timestamps_at_the_ends_of_the_calendar(
 @BACKENDS
 async def test_nul_characters_are_refused(gateway: GatewayFactory, tmp_path: Path,
                                           backend: str) -> None:
-    """NUL (which PostgreSQL text cannot hold) in text, ids, tags, filters or a path id is a
-    400 on both backends, and nothing is stored."""
+    """NUL (which PostgreSQL text cannot hold) in ids, tags, filters or a path id is a 400
+    on both backends; in a text it is stored as U+FFFD -- never a 500."""
     async with memory_gateway(gateway, backend, tmp_path) as base:
-        for field, value in (("text", "a\0b"), ("memory_id", "m\0"), ("session_id", "s\0"),
-                             ("agent_id", "\0"), ("tags", ["t\0"]), ("turn_id", "1\0")):
+        for field, value in (("memory_id", "m\0"), ("session_id", "s\0"), ("agent_id", "\0"),
+                             ("tags", ["t\0"]), ("turn_id", "1\0")):
             status, err = await call("POST", base, {**SEED_WRITE, field: value}, AUTH)
             assert field in assert_shaped(status, err, 400, "invalid_record")
         pair = {**SEED_WRITE, "text": None, "user_text": "u\0", "assistant_text": "a"}
-        assert_shaped(*(await call("POST", base, pair, AUTH)), 400, "invalid_record")
+        for body, key, want in (({**SEED_WRITE, "text": "a\0b"}, "text", "a\ufffdb"),
+                                (pair, "user_text", "u\ufffd")):
+            status, made = await call("POST", base, body, AUTH)
+            assert status == 201
+            got = (await call("GET", f"{base}/{made['memory_id']}", headers=AUTH))[1]
+            assert got[key] == want
         for flt in ({"session_id": "s\0"}, {"session_id": "s", "tags": ["\0"]},
                     {"session_id": "s", "agent_id": "a\0"}):
             status, err = await call("POST", f"{base}/search", {"filter": flt}, AUTH)
@@ -320,3 +325,30 @@ async def test_a_20k_word_question_recalls_from_postgres(gateway: GatewayFactory
         assert status == 200
         assert len(await gw.wait_mem(2)) == 2
         await gw.server.close()
+
+
+@BACKENDS
+async def test_archived_turns_with_nul_and_a_long_agent_id_are_stored(
+    gateway: GatewayFactory, tmp_path: Path, backend: str
+) -> None:
+    """A chat history whose turns hold NUL, sent with a 1,000-character X-Agent-Id, is
+    answered and its evicted turns are archived (PostgreSQL refused NUL: archive_failed)."""
+    budget = {"max_tokens": 1200, "max_chars": None, "max_messages": None, "max_turns": None}
+    async with memory_gateway(gateway, backend, tmp_path,
+                              memory={"enable_eviction": True, "budget": budget},
+                              archive="evicted") as base:
+        url = base.replace("/v1/memories", "/v1/chat/completions")
+        msgs = conversation()
+        msgs[1] = {"role": "user", "content": "the vault code is ZEBRA\u0000x"}
+        headers = {**AUTH, "X-Session-Id": "s-nul", "X-Agent-Id": "a" * 1000}
+        status, _ = await call("POST", url, {"model": "gpt-4o-mini", "messages": msgs}, headers)
+        assert status == 200
+        status, found = await call("POST", f"{base}/search", {
+            "filter": {"session_id": "s-nul", "agent_id": "a" * 1000}, "query": "vault"}, AUTH)
+        deadline = time.monotonic() + 10
+        while not found.get("results") and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # archiving is write-behind
+            status, found = await call("POST", f"{base}/search", {
+                "filter": {"session_id": "s-nul", "agent_id": "a" * 1000}, "query": "vault"},
+                AUTH)
+        assert status == 200 and "ZEBRA\ufffdx" in found["results"][0]["text"]

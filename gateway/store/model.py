@@ -5,9 +5,10 @@ Timestamps must be timezone-aware ISO 8601 and are stored in UTC (microseconds
 since the epoch, so boundaries compare exactly), between the years 1 and 9999 in
 UTC so that every stored one can be written out again. Chinese (and other CJK)
 text is indexed as overlapping character bigrams, so a full-text index built for
-space-separated words finds "预算" inside "预算10万". Strings carry no NUL
-(PostgreSQL text cannot hold one; both backends refuse it alike), ids and tags
-are short enough for any backend's index, and a query uses at most
+space-separated words finds "预算" inside "预算10万". No string holds a NUL
+(PostgreSQL text cannot): in an id or a tag it is refused, in a text it is
+stored as U+FFFD (a chat turn archived with one must not fail the request);
+ids and tags are short enough for any backend's index, and a query uses at most
 MAX_QUERY_TERMS distinct terms, so no input makes a store's work unbounded.
 """
 
@@ -190,19 +191,20 @@ def _text(body: dict[str, Any], key: str, required: bool = True, empty: bool = F
         return ""
     if not isinstance(v, str) or not (v or empty):
         raise StoreError(f"{key}: required, a non-empty string")
-    if "\0" in v:
-        raise StoreError(f"{key}: contains a NUL character (U+0000), which the store cannot keep")
-    return v
+    return v.replace("\0", "\ufffd")
 
 
-def check_id(v: Any, key: str, integers: bool = False) -> str:
-    """An id as stored: a short string without NUL (or, where `integers`, an integer)."""
+def check_id(v: Any, key: str, integers: bool = False,
+             limit: int | None = MAX_ID_CHARS) -> str:
+    """An id as stored: a string without NUL (or, where `integers`, an integer), at most
+    `limit` characters (None: an id no index is built on)."""
     if integers and isinstance(v, int) and not isinstance(v, bool):
         return str(v)
-    if not isinstance(v, str) or not v or len(v) > MAX_ID_CHARS or "\0" in v:
+    if (not isinstance(v, str) or not v or (limit is not None and len(v) > limit)
+            or "\0" in v):
         kinds = "a string or an integer" if integers else "a non-empty string"
-        raise StoreError(f"{key}: must be {kinds} of at most {MAX_ID_CHARS} characters, "
-                         f"without NUL, got {shown(v)}")
+        most = f" of at most {limit} characters" if limit is not None else ""
+        raise StoreError(f"{key}: must be {kinds}{most}, without NUL, got {shown(v)}")
     return v
 
 
@@ -232,7 +234,8 @@ def build_record(body: Any, tenant: str, rules: StoreRules) -> Record:
         tags = check_tags(body.get("tags") or []) + list(rules.default_tags)
     except ValueError as exc:
         raise StoreError(f"tags: {exc}") from None
-    agent = "" if body.get("agent_id") in (None, "") else check_id(body["agent_id"], "agent_id")
+    agent = ("" if body.get("agent_id") in (None, "")  # no index on it: X-Agent-Id as sent
+             else check_id(body["agent_id"], "agent_id", limit=None))
     session = check_id(body.get("session_id"), "session_id")
     fields: dict[str, Any] = {}
     ts_end = None
@@ -358,7 +361,7 @@ def build_filter(body: Any, tenant: str, rules: StoreRules, now: int | None = No
         raise StoreError("query: must be a string")
     agent = f.get("agent_id")
     if agent is not None:
-        agent = check_id(agent, "filter.agent_id")
+        agent = check_id(agent, "filter.agent_id", limit=None)
     return Filter(tenant=tenant, agent_id=agent, session_id=session, time_from=t_from,
                   time_to=t_to, boundary=boundary, tags=tags, memory_type=mtype, query=query,
                   top_k=top_k)
