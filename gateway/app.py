@@ -182,8 +182,7 @@ def create_app(
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/admin/sessions/{session}/memory", handlers.admin_session_memory)
     app.router.add_routes(memory_routes(lambda r: r.app[STATE].memory,
-                                        lambda r: r.app[STATE].rules.store,
-                                        lambda r: r.app[STATE].rules.tenants))
+                                        lambda r: r.app[STATE].rules, handlers.read_body))
     for path, wire in PATHS.items():
         app.router.add_post(path, handlers.intercept(wire))
     app.router.add_route("*", "/{tail:.*}", handlers.passthrough)

@@ -305,7 +305,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
             if args.memory_command == "write":
                 body = orjson.loads(sys.stdin.buffer.read() if args.json == "-" else args.json)
                 rec = build_record(body, tenant, rules.store)
-                await store.write([rec])
+                await store.write([rec], exists_ok=False)  # an id held already: exit 2
                 out: Any = {"memory_id": rec.memory_id, "truncated": rec.truncated}
             elif args.memory_command == "search":
                 body = {"filter": orjson.loads(args.filter) if args.filter else {},

@@ -6,23 +6,34 @@ field of the body — so no filter can reach another tenant's records; a caller
 without a usable key is refused unless `tenants.anonymous` names its tenant.
 Archiving goes through a bounded queue written by a background task: it never
 blocks a request, and the queue is flushed on shutdown.
+
+Every answer is JSON in OpenAI's error shape when it is an error: a body over
+`limits.max_body_bytes` is a 413 (read through the chat path's bounded reader),
+a store that cannot serve a 503 with the cause, an id the tenant holds already a 409.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from .backends import Backend, BackendDown
-from .rules import TenantRules
+from .errors import GatewayError
+from .rules import Rules
 from .session import tenant_of
 from .store import Store, StoreError, StoreRules, build_filter, build_record, make_store
-from .store.model import Record
+from .store.model import MemoryExists, Record, check_id
+
+BodyReader = Callable[[web.Request, int], Awaitable[bytes]]
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+# the code of a StoreError by its status; a 400 takes the route's own code
+CODES = {404: "not_found", 409: "memory_exists", 413: "record_too_large",
+         503: "store_unavailable"}
 
 
 class MemoryService:
@@ -35,7 +46,8 @@ class MemoryService:
         self.queued = self.written = self.dropped = 0
 
     async def get_store(self, rules: StoreRules) -> Store:
-        """The store, opened on first use (a gateway that never archives opens nothing)."""
+        """The store, opened on first use (a gateway that never archives opens nothing);
+        one that cannot be opened raises StoreUnavailable and is tried again next time."""
         if self.store is None:
             async with self._lock:
                 if self.store is None:
@@ -78,98 +90,116 @@ class MemoryService:
             self.store = None
 
 
+class InvalidJson(GatewayError):
+    status = 400
+    code = "invalid_json"
+
+
+def _in_batch(exc: StoreError, i: int) -> StoreError:
+    """The refusal of records[i] of a batch, saying which one (none of it is written)."""
+    exc.message = f"records[{i}]: {exc.message}"
+    return exc
+
+
 def _error(status: int, message: str, code: str) -> web.Response:
     return web.Response(status=status, content_type="application/json", body=orjson.dumps(
         {"error": {"message": message, "type": "gateway_error", "code": code, "param": None}}))
 
 
-async def _caller(request: web.Request, tenants: TenantRules) -> tuple[str, Any] | web.Response:
-    tenant = tenant_of(request.headers, tenants)
-    if tenant is None:
-        return _error(401, "the memory API needs the caller's API key (Authorization: Bearer, "
-                           "x-api-key or api-key): it decides which tenant's records you see",
-                      "unauthorized")
-    try:
-        body = orjson.loads(await request.read()) if request.body_exists else None
-    except orjson.JSONDecodeError:
-        return _error(400, "the body is not valid JSON", "invalid_json")
-    return tenant, body
+def routes(service_of: Callable[[web.Request], Any],
+           rules_of: Callable[[web.Request], Rules],
+           read_body: BodyReader) -> list[web.RouteDef]:
+    """The /v1/memories routes; `service_of(request)` and `rules_of(request)` give the
+    MemoryService and the live Rules, `read_body(request, limit)` reads a body bounded.
+    The tenant is the caller's (a caller without a usable key is refused unless
+    `tenants.anonymous` names its tenant)."""
 
+    def answer(code: str, handler: Handler) -> Handler:
+        """`handler` with the refusals it raises rendered in the API's error shape (a 400
+        coded `code`); whatever else goes wrong is a shaped 500, logged."""
 
-def routes(service_of: Any, rules_of: Any, tenants_of: Any) -> list[web.RouteDef]:
-    """The /v1/memories routes; `service_of(request)`, `rules_of(request)` and
-    `tenants_of(request)` give the MemoryService, the current StoreRules and TenantRules."""
+        async def run(request: web.Request) -> web.Response:
+            if tenant_of(request.headers, rules_of(request).tenants) is None:
+                return _error(401, "the memory API needs the caller's API key (Authorization: "
+                                   "Bearer, x-api-key or api-key): it decides which tenant's "
+                                   "records you see", "unauthorized")
+            try:
+                return await handler(request)
+            except GatewayError as exc:  # the body's: 413 over the limit, invalid JSON
+                return _error(exc.status, exc.message, exc.code)
+            except StoreError as exc:
+                return _error(exc.status, exc.message, CODES.get(exc.status, code))
+            except Exception as exc:  # noqa: BLE001 - never a bare text/plain 500
+                service_of(request).log.error("memory_api_failed", route=request.path,
+                                              error=type(exc).__name__)
+                return _error(500, f"the memory API failed: {type(exc).__name__}",
+                              "internal_error")
+
+        return run
+
+    def tenant(request: web.Request) -> str:
+        t = tenant_of(request.headers, rules_of(request).tenants)
+        assert t is not None  # answer() refused the caller otherwise
+        return t
+
+    async def body_of(request: web.Request) -> Any:
+        if not request.body_exists:
+            return None
+        raw = await read_body(request, rules_of(request).max_body_bytes)
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise InvalidJson("the body is not valid JSON") from None
+
+    async def store_of(request: web.Request) -> Store:
+        store: Store = await service_of(request).get_store(rules_of(request).store)
+        return store
 
     async def write(request: web.Request) -> web.Response:
-        got = await _caller(request, tenants_of(request))
-        if isinstance(got, web.Response):
-            return got
-        tenant, body = got
-        rules: StoreRules = rules_of(request)
+        body = await body_of(request)
+        owner, rules = tenant(request), rules_of(request).store
         batch = isinstance(body, dict) and "records" in body
         items = body["records"] if batch else [body]
         if not isinstance(items, list) or not items:
-            return _error(400, "records: must be a non-empty list of record objects",
-                          "invalid_record")
+            raise StoreError("records: must be a non-empty list of record objects")
+        records = []
+        for i, b in enumerate(items):
+            try:
+                records.append(build_record(b, owner, rules))
+            except StoreError as exc:
+                raise _in_batch(exc, i) if batch else exc from None
         try:
-            records = []
-            for i, b in enumerate(items):
-                try:
-                    records.append(build_record(b, tenant, rules))
-                except StoreError as exc:  # say which record of a batch (none is written)
-                    if batch:
-                        exc.message = f"records[{i}]: {exc.message}"
-                    raise
-            store = await service_of(request).get_store(rules)
-        except StoreError as exc:
-            return _error(exc.status, exc.message, "invalid_record" if exc.status != 413
-                          else "record_too_large")
-        await store.write(records)
+            await (await store_of(request)).write(records, exists_ok=False)
+        except MemoryExists as exc:
+            raise _in_batch(exc, exc.index) if batch else exc from None
         out = [{"memory_id": r.memory_id, "truncated": r.truncated} for r in records]
-        return web.json_response(out[0] if "records" not in body else {"records": out},
-                                 status=201)
+        return web.json_response({"records": out} if batch else out[0], status=201)
 
     async def search(request: web.Request) -> web.Response:
-        got = await _caller(request, tenants_of(request))
-        if isinstance(got, web.Response):
-            return got
-        tenant, body = got
-        rules = rules_of(request)
-        try:
-            f = build_filter(body, tenant, rules)
-            store = await service_of(request).get_store(rules)
-        except StoreError as exc:
-            return _error(exc.status, exc.message, "invalid_filter")
-        results = await store.search(f)
+        body = await body_of(request)
+        f = build_filter(body, tenant(request), rules_of(request).store)
+        results = await (await store_of(request)).search(f)
         return web.Response(content_type="application/json", body=orjson.dumps({"results": [
             {k: v for k, v in r.public(score).items()
              if k in ("memory_id", "score", "text", "session_id", "ts", "tags", "memory_type")}
             for r, score in results]}))
 
     async def get(request: web.Request) -> web.Response:
-        got = await _caller(request, tenants_of(request))
-        if isinstance(got, web.Response):
-            return got
-        tenant, _ = got
-        store = await service_of(request).get_store(rules_of(request))
-        rec = await store.get(tenant, request.match_info["memory_id"])
+        memory_id = check_id(request.match_info["memory_id"], "memory_id")
+        rec = await (await store_of(request)).get(tenant(request), memory_id)
         if rec is None:
-            return _error(404, "no such memory", "not_found")
+            raise StoreError("no such memory", 404)
         return web.Response(content_type="application/json", body=orjson.dumps(rec.public()))
 
     async def delete(request: web.Request) -> web.Response:
-        got = await _caller(request, tenants_of(request))
-        if isinstance(got, web.Response):
-            return got
-        tenant, _ = got
-        store = await service_of(request).get_store(rules_of(request))
-        if not await store.delete(tenant, request.match_info["memory_id"]):
-            return _error(404, "no such memory", "not_found")
+        memory_id = check_id(request.match_info["memory_id"], "memory_id")
+        if not await (await store_of(request)).delete(tenant(request), memory_id):
+            raise StoreError("no such memory", 404)
         return web.json_response({"deleted": True})
 
     return [
-        web.post("/v1/memories", write),
-        web.post("/v1/memories/search", search),
-        web.get("/v1/memories/{memory_id}", get),
-        web.delete("/v1/memories/{memory_id}", delete),
+        web.post("/v1/memories", answer("invalid_record", write)),
+        web.post("/v1/memories/search", answer("invalid_filter", search)),
+        web.get("/v1/memories/{memory_id}", answer("invalid_request", get)),
+        web.delete("/v1/memories/{memory_id}", answer("invalid_request", delete)),
     ]

@@ -22,7 +22,7 @@ import yaml
 from .carry.rules import CarryPatterns, load_carry_patterns
 from .carry.snapshot import ALL_FIELDS, CarryRules
 from .errors import RulesError
-from .store.model import StoreRules, parse_window
+from .store.model import StoreRules, check_tags, parse_window
 
 STAGES = ("pinned", "recent_turns", "length", "score")
 DropUnit = Literal["turn", "group"]
@@ -227,11 +227,64 @@ def _line_map(text: str) -> _Lines:
     return lines
 
 
+# Every mapping of the gateway config and the keys it allows. The parsers read their keys
+# from here, so a key refused in one mapping can be answered with where it does live (a
+# block pasted at the wrong level, as the seeds list their parameters).
+SECTIONS: dict[str, frozenset[str]] = {
+    "": frozenset({"memory", "upstreams", "listen", "logging", "limits", "session", "tokens",
+                   "capture", "store", "state", "tenants"}),
+    "memory": frozenset({"enable_eviction", "shadow", "budget", "eviction", "markers", "carry",
+                         "write"}),
+    "memory.budget": frozenset({"max_tokens", "max_chars", "max_messages", "max_turns",
+                                "safety_ratio", "reserve_output_tokens"}),
+    "memory.eviction": frozenset({"order", "keep_pinned", "max_pinned", "drop_unit",
+                                  "on_over_budget", "low_water", "move_cache_marker"}),
+    "memory.markers": frozenset({"system_prefix", "min_score"}),
+    "memory.carry": frozenset({"enabled", "keep_fields", "drop_when", "ref_ttl_turns",
+                               "log_skipped", "rules_file", "max_note_chars"}),
+    "memory.carry.drop_when": frozenset({"task_closed", "no_pending_reference",
+                                         "small_talk_only"}),
+    "upstreams[]": frozenset({"name", "base_url", "paths", "models", "connect_timeout_s",
+                              "read_timeout_s", "api_key_env", "api_key_header", "proxy"}),
+    "listen": frozenset({"host", "port"}),
+    "logging": frozenset({"format", "level"}),
+    "limits": frozenset({"max_body_bytes"}),
+    "session": frozenset({"header", "max_tracked", "history_cache_mb"}),
+    "tokens": frozenset({"cache_size", "models_file", "approx_factor"}),
+    "capture": frozenset({"enabled", "dir", "sample_rate", "max_files", "around_change"}),
+    "store": frozenset({"backend", "path", "dsn_env", "write_granularity", "session_scope",
+                        "time_boundary", "default_time_window", "default_tags", "search_top_k",
+                        "max_chars_per_record", "on_overlong", "archive", "recall"}),
+    "store.recall": frozenset({"enabled", "top_k", "scope"}),
+    "state": frozenset({"backend", "redis_url_env", "ttl_s", "key_prefix", "connect_timeout_s",
+                        "read_timeout_s", "retry_after_s"}),
+    "tenants": frozenset({"credential_headers", "anonymous", "client_keys_sha256",
+                          "allow_any_client"}),
+}
+MODEL_SECTIONS: dict[str, frozenset[str]] = {  # the models file (tokens.models_file)
+    "": frozenset({"models", "default"}),
+    "models[]": frozenset({"match", "encoding", "context_window"}),
+    "default": frozenset({"encoding", "context_window"}),
+}
+
+
+def _homes(sections: Mapping[str, frozenset[str]], key: str, here: str) -> str | None:
+    """Where else `key` is allowed, as the error names it; None when nowhere."""
+    found = sorted(s for s, keys in sections.items() if key in keys and s != here)
+    if not found:
+        return None
+    if found == [""]:
+        return "at the top level"
+    names = [f"{s.replace('[]', '[i]')}:" if s else "the top level" for s in found]
+    return "under " + (names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}")
+
+
 class _Reader:
     """Typed access to a parsed YAML mapping that reports file:line: key: reason."""
 
-    def __init__(self, file: str, lines: _Lines) -> None:
-        self.file, self.lines = file, lines
+    def __init__(self, file: str, lines: _Lines,
+                 sections: Mapping[str, frozenset[str]] = SECTIONS) -> None:
+        self.file, self.lines, self.sections = file, lines, sections
 
     def fail(self, key: str, reason: str) -> RulesError:
         line = self.lines.get(key)
@@ -241,15 +294,31 @@ class _Reader:
             line = self.lines.get(probe)
         return RulesError(self.file, line, key, reason)
 
-    def section(self, data: Any, key: str, allowed: set[str]) -> dict[str, Any]:
+    def section(self, data: Any, key: str, schema: str | None = None) -> dict[str, Any]:
+        """The mapping at `key`, holding only keys its section allows (`schema`: the
+        section's name in SECTIONS when `key` is spelled otherwise; list indices as [])."""
         if data is None:
             return {}
         if not isinstance(data, dict):
             raise self.fail(key, f"must be a mapping, got {type(data).__name__}")
-        for k in data:
-            if k not in allowed:
-                where = f"{key}.{k}" if key else str(k)
+        here = re.sub(r"\[\d+\]", "[]", key) if schema is None else schema
+        allowed = self.sections[here]
+        unknown = [k for k in data if k not in allowed]
+        if unknown:
+            first = unknown[0]
+            where = f"{key}.{first}" if key else str(first)
+            home = _homes(self.sections, str(first), here)
+            if home is None:
                 raise self.fail(where, f"unknown key (allowed: {', '.join(sorted(allowed))})")
+            others = [(str(k), _homes(self.sections, str(k), here)) for k in unknown[1:]]
+            same = [k for k, h in others if h == home]
+            elsewhere = [f"{k} ({h})" for k, h in others if h is not None and h != home]
+            reason = f"unknown key here; it belongs {home}"
+            if same:
+                reason += f" (as do {', '.join(same)})"
+            if elsewhere:
+                reason += f"; also misplaced here: {', '.join(elsewhere)}"
+            raise self.fail(where, reason)
         return data
 
     def get(
@@ -353,16 +422,14 @@ def _keep_fields(v: Any) -> tuple[str, ...]:
 
 
 def _parse_carry(
-    r: _Reader, data: Any, base_dir: Path
+    r: _Reader, data: Any, base_dir: Path, k: str
 ) -> tuple[CarryRules, CarryPatterns | None, str | None]:
-    c = r.section(data, "memory.carry", {"enabled", "keep_fields", "drop_when", "ref_ttl_turns",
-                                         "log_skipped", "rules_file", "max_note_chars"})
+    """memory.carry, or the same section spelled memory.write (`k`: the spelling used)."""
+    c = r.section(data, k, "memory.carry")
     if not c:
         return CarryRules(enabled=False), None, None
-    dw = r.section(c.get("drop_when"), "memory.carry.drop_when",
-                   {"task_closed", "no_pending_reference", "small_talk_only"})
+    dw = r.section(c.get("drop_when"), f"{k}.drop_when", "memory.carry.drop_when")
     d = CarryRules()
-    k = "memory.carry"
     rules = CarryRules(
         enabled=r.get(c, k, "enabled", _bool, True),
         keep_fields=r.get(c, k, "keep_fields", _keep_fields, d.keep_fields),
@@ -375,18 +442,17 @@ def _parse_carry(
         max_note_chars=r.get(c, k, "max_note_chars", _int(100), d.max_note_chars),
     )
     rules_file = r.get(c, k, "rules_file", _str(), "carry.yaml")
-    return rules, load_carry_patterns(base_dir / rules_file), str(base_dir / rules_file)
+    path = base_dir / rules_file
+    if "rules_file" not in c and not path.is_file():  # a block pasted into a config elsewhere
+        raise r.fail(f"{k}.rules_file", f"the carry patterns file {path} does not exist "
+                     "(rules_file defaults to carry.yaml beside this config): copy "
+                     "rules/carry.yaml there or set rules_file")
+    return rules, load_carry_patterns(path), str(path)
 
 
 def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | None]:
-    m = r.section(data, "memory",
-                  {"enable_eviction", "shadow", "budget", "eviction", "markers", "carry"})
-    b = r.section(
-        m.get("budget"),
-        "memory.budget",
-        {"max_tokens", "max_chars", "max_messages", "max_turns", "safety_ratio",
-         "reserve_output_tokens"},
-    )
+    m = r.section(data, "memory")
+    b = r.section(m.get("budget"), "memory.budget")
     d = Budget()
     budget = Budget(
         max_tokens=r.get(b, "memory.budget", "max_tokens", _max_tokens, d.max_tokens),
@@ -400,12 +466,7 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | 
             b, "memory.budget", "reserve_output_tokens", _int(0), d.reserve_output_tokens
         ),
     )
-    e = r.section(
-        m.get("eviction"),
-        "memory.eviction",
-        {"order", "keep_pinned", "max_pinned", "drop_unit", "on_over_budget", "low_water",
-         "move_cache_marker"},
-    )
+    e = r.section(m.get("eviction"), "memory.eviction")
     de = Eviction()
     eviction = Eviction(
         order=r.get(e, "memory.eviction", "order", _order, de.order),
@@ -420,13 +481,22 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | 
             e, "memory.eviction", "move_cache_marker", _bool, de.move_cache_marker
         ),
     )
-    k = r.section(m.get("markers"), "memory.markers", {"system_prefix", "min_score"})
+    k = r.section(m.get("markers"), "memory.markers")
     dk = Markers()
     markers = Markers(
         system_prefix=r.get(k, "memory.markers", "system_prefix", _str(), dk.system_prefix),
         min_score=r.get(k, "memory.markers", "min_score", _float(0.0, 1.0), dk.min_score),
     )
-    carry, patterns, carry_path = _parse_carry(r, m.get("carry"), base_dir)
+    # memory.write is the seed's name (000) for memory.carry: one section, two spellings
+    carry_key = "memory.carry"
+    if "write" in m:
+        if "carry" in m:
+            line = r.lines.get("memory.carry")
+            raise r.fail("memory.write", "memory.write is an alias of memory.carry, and "
+                         f"memory.carry{f' (line {line})' if line else ''} is given too: "
+                         "keep one of them")
+        carry_key = "memory.write"
+    carry, patterns, carry_path = _parse_carry(r, m.get(carry_key[7:]), base_dir, carry_key)
     return Memory(
         enable_eviction=r.get(m, "memory", "enable_eviction", _bool, False),
         shadow=r.get(m, "memory", "shadow", _bool, True),
@@ -444,12 +514,14 @@ def _window(v: Any) -> int:
     return parse_window(v)
 
 
+def _tags(v: Any) -> tuple[str, ...]:
+    return tuple(check_tags(v))
+
+
 def _parse_store(r: _Reader, data: Any) -> StoreRules:
     k = "store"
-    s = r.section(data, k, {"backend", "path", "dsn_env", "write_granularity", "session_scope",
-                            "time_boundary", "default_time_window", "search_top_k",
-                            "max_chars_per_record", "on_overlong", "archive", "recall"})
-    rc = r.section(s.get("recall"), "store.recall", {"enabled", "top_k", "scope"})
+    s = r.section(data, k)
+    rc = r.section(s.get("recall"), "store.recall")
     d = StoreRules()
     return StoreRules(
         backend=r.get(s, k, "backend", _str(("sqlite", "postgres")), d.backend),
@@ -463,6 +535,7 @@ def _parse_store(r: _Reader, data: Any) -> StoreRules:
                             d.time_boundary),
         default_time_window_s=r.get(s, k, "default_time_window", _window,
                                     d.default_time_window_s),
+        default_tags=r.get(s, k, "default_tags", _tags, d.default_tags),
         search_top_k=r.get(s, k, "search_top_k", _int(1, 100), d.search_top_k),
         max_chars_per_record=r.get(s, k, "max_chars_per_record", _int(1),
                                    d.max_chars_per_record),
@@ -509,8 +582,7 @@ def _key_hashes(v: Any) -> frozenset[str]:
 
 def _parse_tenants(r: _Reader, data: Any) -> TenantRules:
     k = "tenants"
-    t = r.section(data, k, {"credential_headers", "anonymous", "client_keys_sha256",
-                            "allow_any_client"})
+    t = r.section(data, k)
     d = TenantRules()
     return TenantRules(
         credential_headers=r.get(t, k, "credential_headers", _header_names,
@@ -530,12 +602,7 @@ def _parse_upstreams(r: _Reader, data: Any) -> tuple[Upstream, ...]:
     names: set[str] = set()
     for i, item in enumerate(data):
         key = f"upstreams[{i}]"
-        u = r.section(
-            item,
-            key,
-            {"name", "base_url", "paths", "models", "connect_timeout_s", "read_timeout_s",
-             "api_key_env", "api_key_header", "proxy"},
-        )
+        u = r.section(item, key)
         for required in ("name", "base_url"):
             if required not in u:
                 raise r.fail(key, f"missing required key {required!r}")
@@ -560,14 +627,14 @@ def _parse_upstreams(r: _Reader, data: Any) -> tuple[Upstream, ...]:
 
 
 def _parse_models(r: _Reader, data: Any) -> tuple[tuple[ModelInfo, ...], str, int]:
-    t = r.section(data, "", {"models", "default"})
+    t = r.section(data, "")
     infos: list[ModelInfo] = []
     items = t.get("models") or []
     if not isinstance(items, list):
         raise r.fail("models", "must be a list")
     for i, item in enumerate(items):
         key = f"models[{i}]"
-        mi = r.section(item, key, {"match", "encoding", "context_window"})
+        mi = r.section(item, key)
         if "match" not in mi or "encoding" not in mi:
             raise r.fail(key, "needs match and encoding")
         infos.append(
@@ -577,7 +644,7 @@ def _parse_models(r: _Reader, data: Any) -> tuple[tuple[ModelInfo, ...], str, in
                 context_window=r.get(mi, key, "context_window", _int(1), 8192),
             )
         )
-    dflt = r.section(t.get("default"), "default", {"encoding", "context_window"})
+    dflt = r.section(t.get("default"), "default")
     return (
         tuple(infos),
         r.get(dflt, "default", "encoding", _str(), "cl100k_base"),
@@ -641,15 +708,9 @@ def build_rules(
     """Validate parsed config data (as from YAML) into Rules; no env overrides."""
     r = _Reader(file, lines or {})
     base_dir = base_dir or Path.cwd()
-    top = r.section(
-        data if data is not None else {},
-        "",
-        {"memory", "upstreams", "listen", "logging", "limits", "session", "tokens", "capture",
-         "store", "state", "tenants"},
-    )
+    top = r.section(data if data is not None else {}, "")
     memory, carry_path = _parse_memory(r, top.get("memory"), base_dir)
-    c = r.section(top.get("capture"), "capture",
-                  {"enabled", "dir", "sample_rate", "max_files", "around_change"})
+    c = r.section(top.get("capture"), "capture")
     dc = CaptureRules()
     capture = CaptureRules(
         enabled=r.get(c, "capture", "enabled", _bool, dc.enabled),
@@ -659,17 +720,14 @@ def build_rules(
         around_change=r.get(c, "capture", "around_change", _int(0), dc.around_change),
     )
     upstreams = _parse_upstreams(r, top.get("upstreams"))
-    listen = r.section(top.get("listen"), "listen", {"host", "port"})
-    logging_ = r.section(top.get("logging"), "logging", {"format", "level"})
-    limits = r.section(top.get("limits"), "limits", {"max_body_bytes"})
-    session = r.section(top.get("session"), "session",
-                        {"header", "max_tracked", "history_cache_mb"})
-    tokens = r.section(top.get("tokens"), "tokens", {"cache_size", "models_file", "approx_factor"})
+    listen = r.section(top.get("listen"), "listen")
+    logging_ = r.section(top.get("logging"), "logging")
+    limits = r.section(top.get("limits"), "limits")
+    session = r.section(top.get("session"), "session")
+    tokens = r.section(top.get("tokens"), "tokens")
 
     store = _parse_store(r, top.get("store"))
-    st = r.section(top.get("state"), "state", {"backend", "redis_url_env", "ttl_s", "key_prefix",
-                                               "connect_timeout_s", "read_timeout_s",
-                                               "retry_after_s"})
+    st = r.section(top.get("state"), "state")
     state = StateRules(
         backend=r.get(st, "state", "backend", _str(("memory", "redis")), "memory"),
         redis_url_env=r.get(st, "state", "redis_url_env", _str(), "MEMGATE_REDIS_URL"),
@@ -687,7 +745,7 @@ def build_rules(
         mpath = base_dir / models_file
         mdata, mlines = _load_yaml(mpath)
         models, default_encoding, default_window = _parse_models(
-            _Reader(str(mpath), mlines), mdata
+            _Reader(str(mpath), mlines, MODEL_SECTIONS), mdata
         )
 
     rules = Rules(

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from gateway.rules import TenantRules
 from gateway.session import tenant_of
@@ -22,7 +25,8 @@ OTHER = {"Authorization": "Bearer sk-another-tenant"}
 async def call(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None
                ) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as s, s.request(
-        method, url, data=None if body is None else orjson.dumps(body), headers=headers or {}
+        method, url, headers=headers or {},
+        data=None if body is None else body if isinstance(body, bytes) else orjson.dumps(body)
     ) as r:
         return r.status, orjson.loads(await r.read())
 
@@ -176,6 +180,12 @@ def test_memory_cli_round_trip(tmp_path: Path) -> None:
                "--query", "预算")
     assert [r["memory_id"] for r in found] == [made["memory_id"]]
     assert mg("get", made["memory_id"])["ts"] == "2026-01-02T02:04:05+00:00"
+    again = subprocess.run([sys.executable, "-m", "gateway", "memory", "--config", str(cfg),
+                            "--api-key", "k1", "write", orjson.dumps(
+                                {"memory_id": made["memory_id"], "session_id": "s1",
+                                 "ts": "2026-01-02T03:04:05Z", "text": "x"}).decode()],
+                           capture_output=True, text=True, cwd=root, check=False, timeout=60)
+    assert again.returncode == 2 and "exists already" in again.stderr
 
 
 def test_evict_offline_includes_recall(tmp_path: Path) -> None:
@@ -198,3 +208,128 @@ def test_evict_offline_includes_recall(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     msgs = orjson.loads(res.stdout)["messages"]
     assert any("recalled: Our launch codename is BLUEHERON" in m["content"] for m in msgs)
+
+
+@contextlib.asynccontextmanager
+async def memory_gateway(gateway: GatewayFactory, backend: str, tmp_path: Path,
+                         memory: dict[str, Any] | None = None,
+                         **store: Any) -> AsyncIterator[str]:
+    """A gateway whose store is a SQLite file or a throwaway PostgreSQL schema; yields the
+    /v1/memories URL."""
+    async with contextlib.AsyncExitStack() as stack:
+        if backend == "sqlite":
+            gw = await gateway(memory, store={"path": str(tmp_path / "m.db"), **store})
+        else:
+            schema, _ = await stack.enter_async_context(pg_schema())
+            dsn = f"{PG_DSN}?options=-csearch_path%3D{schema}"
+            gw = await gateway(memory, store={"backend": "postgres", **store},
+                               env={"MEMGATE_STORE_DSN": dsn})
+        stack.push_async_callback(gw.server.close)  # before the schema is dropped
+        yield f"{gw.url}/v1/memories"
+
+
+BACKENDS = pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+# seed 003's minimal write, as the seed lists it (placeholders filled in)
+SEED_WRITE = {"agent_id": "agent-1", "session_id": "session-A", "turn_id": "t-2", "role": "user",
+              "text": "预算 10 万，不排除取消订单", "ts": "2026-11-29T10:00:00+08:00",
+              "tags": ["budget"], "memory_type": "turn"}
+
+
+@BACKENDS
+async def test_seed_turn_written_as_one_message_reads_back_as_written(
+    gateway: GatewayFactory, tmp_path: Path, backend: str
+) -> None:
+    """Seed 003's minimal write (a turn as role + text) is stored and read back as role +
+    text; the seed's read-back assertions hold; the two-sided turn still works."""
+    async with memory_gateway(gateway, backend, tmp_path) as base:
+        status, made = await call("POST", base, SEED_WRITE, AUTH)
+        assert status == 201, made
+        status, got = await call("GET", f"{base}/{made['memory_id']}", headers=AUTH)
+        assert status == 200
+        assert {k: got[k] for k in ("memory_type", "role", "text", "turn_id", "session_id",
+                                    "agent_id", "tags")} == {
+            "memory_type": "turn", "role": "user", "text": SEED_WRITE["text"], "turn_id": "t-2",
+            "session_id": "session-A", "agent_id": "agent-1", "tags": ["budget"]}
+        assert "user_text" not in got and "assistant_text" not in got
+        assert got["ts"] == "2026-11-29T02:00:00+00:00"
+        status, found = await call("POST", f"{base}/search", {
+            "filter": {"agent_id": "agent-1", "session_id": "session-A",
+                       "time_from": "2026-11-29T00:00:00Z", "time_to": "2026-11-30T00:00:00Z",
+                       "tags": ["budget"], "memory_type": "turn"},
+            "query": "预算", "top_k": 5}, AUTH)
+        assert status == 200 and len(found["results"]) == 1
+        hit = found["results"][0]
+        assert hit["memory_id"] == made["memory_id"] and hit["text"] == SEED_WRITE["text"]
+        assert set(hit) >= {"memory_id", "score", "text", "session_id", "ts", "tags"}
+        pair = {**SEED_WRITE, "text": None, "role": None, "user_text": "u", "assistant_text": "a"}
+        status, made = await call("POST", base, pair, AUTH)
+        assert status == 201
+        got = (await call("GET", f"{base}/{made['memory_id']}", headers=AUTH))[1]
+        assert (got["user_text"], got["assistant_text"], got["text"]) == ("u", "a", "u\na")
+        status, err = await call("POST", base, {**SEED_WRITE, "user_text": "u"}, AUTH)
+        assert status == 400 and "not both" in err["error"]["message"]
+        status, err = await call("POST", base, {**SEED_WRITE, "role": "boss"}, AUTH)
+        assert status == 400 and err["error"]["message"].startswith("role:")
+
+
+@BACKENDS
+async def test_ids_are_unique_per_tenant(gateway: GatewayFactory, tmp_path: Path,
+                                         backend: str) -> None:
+    """An id another tenant holds is stored for this tenant too; an id this tenant holds
+    already is a 409 in the API's error shape and changes nothing (a batch writes none)."""
+    async with memory_gateway(gateway, backend, tmp_path) as base:
+        mine = {**SEED_WRITE, "memory_id": "m-1", "text": "tenant A's plan"}
+        theirs = {**SEED_WRITE, "memory_id": "m-1", "text": "tenant B's plan"}
+        assert (await call("POST", base, mine, AUTH))[0] == 201
+        status, made = await call("POST", base, theirs, OTHER)
+        assert status == 201 and made["memory_id"] == "m-1"
+        assert (await call("GET", f"{base}/m-1", headers=AUTH))[1]["text"] == "tenant A's plan"
+        assert (await call("GET", f"{base}/m-1", headers=OTHER))[1]["text"] == "tenant B's plan"
+        status, err = await call("POST", base, {**mine, "text": "overwritten?"}, AUTH)
+        assert status == 409 and err["error"]["code"] == "memory_exists"
+        assert "'m-1'" in err["error"]["message"] and err["error"]["type"] == "gateway_error"
+        status, err = await call("POST", base, {"records": [{**mine, "memory_id": "m-2"}, mine]},
+                                 AUTH)
+        assert status == 409 and err["error"]["message"].startswith("records[1]: ")
+        assert (await call("GET", f"{base}/m-2", headers=AUTH))[0] == 404  # none of the batch
+        status, err = await call("POST", base, {"records": [{**mine, "memory_id": "m-3"}] * 2},
+                                 AUTH)
+        assert status == 409 and err["error"]["message"].startswith("records[1]: ")
+        assert (await call("GET", f"{base}/m-1", headers=AUTH))[1]["text"] == "tenant A's plan"
+        assert (await call("DELETE", f"{base}/m-1", headers=OTHER))[0] == 200
+        assert (await call("GET", f"{base}/m-1", headers=AUTH))[1]["text"] == "tenant A's plan"
+        status, found = await call("POST", f"{base}/search", {
+            "filter": {"session_id": "session-A", "time_from": "2026-11-29T00:00:00Z"},
+            "query": "plan"}, AUTH)
+        assert [r["text"] for r in found["results"]] == ["tenant A's plan"]
+
+
+async def test_default_tags_tag_writes_and_filter_searches(
+    gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """store.default_tags: every record written gets them; a search naming no tags filters
+    by them; an explicit "tags": [] filters none."""
+    db = str(tmp_path / "m.db")
+    plain = await gateway(store={"path": db})
+    base = f"{plain.url}/v1/memories"
+    before = (await call("POST", base, {**SEED_WRITE, "tags": [], "text": "预算 old"}, AUTH))[1]
+    await plain.server.close()
+    gw = await gateway(store={"path": db, "default_tags": ["proj-x"]})
+    base = f"{gw.url}/v1/memories"
+    untagged = (await call("POST", base, {**SEED_WRITE, "tags": None, "text": "预算 a"}, AUTH))[1]
+    tagged = (await call("POST", base, {**SEED_WRITE, "text": "预算 b"}, AUTH))[1]
+    assert (await call("GET", f"{base}/{untagged['memory_id']}", headers=AUTH))[1]["tags"] == [
+        "proj-x"]
+    assert (await call("GET", f"{base}/{tagged['memory_id']}", headers=AUTH))[1]["tags"] == [
+        "budget", "proj-x"]
+    flt = {"session_id": "session-A", "time_from": "2026-11-29T00:00:00Z"}
+
+    async def ids(f: dict[str, Any]) -> set[str]:
+        status, found = await call("POST", f"{base}/search", {"filter": f, "top_k": 10}, AUTH)
+        assert status == 200
+        return {r["memory_id"] for r in found["results"]}
+
+    assert await ids(flt) == {untagged["memory_id"], tagged["memory_id"]}
+    assert await ids({**flt, "tags": []}) == {untagged["memory_id"], tagged["memory_id"],
+                                              before["memory_id"]}
+    assert await ids({**flt, "tags": ["budget"]}) == {tagged["memory_id"]}

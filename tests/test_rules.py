@@ -91,3 +91,134 @@ def test_check_config_cli(tmp_path: Path) -> None:
                          capture_output=True, text=True, check=False)
     assert res.returncode == 1
     assert res.stderr.strip() == f"{bad}:4: memory.budget.max_chars: must be >= 1, got -3"
+
+
+# The seeds' own config blocks, pasted as the seeds write them (comments included).
+SEED_000_MEMORY_WRITE = """\
+memory:
+  write:
+    keep_fields: [task_state, resolved_refs, confirmed_constraints, output_file]
+    drop_when:
+      task_closed: true
+      no_pending_reference: true
+      small_talk_only: true
+    ref_ttl_turns: 3   # 占位值，按会话长度调整
+    log_skipped: true  # 便于回放时核对丢弃是否发生
+"""
+SEED_003_PARAMETERS = """\
+write_granularity: turn          # turn | message | session
+session_scope: current           # current | cross_session
+default_time_window: 7d
+default_tags: []
+max_chars_per_record: <n>        # 按模型上下文留余量
+search_top_k: 5
+time_boundary: half_open         # closed | half_open
+"""
+
+
+def check_config(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gateway", "check-config", str(path)],
+                          capture_output=True, text=True, check=False, cwd=ROOT, timeout=60)
+
+
+def test_seed_000_memory_write_block_is_the_carry_section(tmp_path: Path) -> None:
+    """000's `memory.write` skeleton loads as memory.carry (its alias) with the seed's values,
+    through the loader and through `memgate check-config`."""
+    (tmp_path / "carry.yaml").write_bytes((ROOT / "rules" / "carry.yaml").read_bytes())
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(SEED_000_MEMORY_WRITE, encoding="utf-8")
+    carry = load_rules(cfg, {}).memory.carry
+    assert carry.enabled is True
+    assert carry.keep_fields == ("task_state", "resolved_refs", "confirmed_constraints",
+                                 "output_file")
+    assert (carry.task_closed, carry.no_pending_reference, carry.small_talk_only) == (
+        True, True, True)
+    assert carry.ref_ttl_turns == 3 and carry.log_skipped is True
+    res = check_config(cfg)
+    assert res.returncode == 0, res.stderr
+    assert "ref_ttl_turns: 3" in res.stdout and "log_skipped: true" in res.stdout
+
+
+def test_memory_write_and_carry_together_name_both(tmp_path: Path) -> None:
+    """Both spellings of the one section are refused, naming both and their lines."""
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text("memory:\n  carry:\n    ref_ttl_turns: 2\n" + SEED_000_MEMORY_WRITE[8:])
+    with pytest.raises(RulesError) as exc:
+        load_rules(cfg, {})
+    assert exc.value.key == "memory.write" and exc.value.line == 4
+    assert "memory.carry (line 2)" in exc.value.reason and "alias" in exc.value.reason
+
+
+def test_memory_write_errors_name_the_spelling_used(tmp_path: Path) -> None:
+    """A bad value under memory.write is reported as memory.write.<key> at its line."""
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(SEED_000_MEMORY_WRITE.replace("ref_ttl_turns: 3", "ref_ttl_turns: x"))
+    with pytest.raises(RulesError) as exc:
+        load_rules(cfg, {})
+    assert exc.value.key == "memory.write.ref_ttl_turns" and exc.value.line == 8
+
+
+def test_missing_carry_patterns_file_is_explained(tmp_path: Path) -> None:
+    """The seed block pasted into a config with no carry.yaml beside it says which file it
+    looked for and how to give one."""
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(SEED_000_MEMORY_WRITE, encoding="utf-8")
+    res = check_config(cfg)
+    assert res.returncode == 1
+    assert res.stderr.startswith(f"{cfg}:2: memory.write.rules_file: ")
+    assert str(tmp_path / "carry.yaml") in res.stderr and "rules/carry.yaml" in res.stderr
+
+
+def test_seed_003_parameters_at_the_top_level_say_where_they_live(tmp_path: Path) -> None:
+    """003's parameter list pasted at the top level is refused with where each key lives."""
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(SEED_003_PARAMETERS, encoding="utf-8")
+    res = check_config(cfg)
+    assert res.returncode == 1
+    first = f"{cfg}:1: write_granularity: unknown key here; it belongs under store:"
+    assert res.stderr.startswith(first), res.stderr
+    for key in ("session_scope", "default_time_window", "default_tags", "search_top_k",
+                "time_boundary", "max_chars_per_record"):
+        assert key in res.stderr
+
+
+@pytest.mark.parametrize(("yaml_text", "key", "home"), [
+    ("enable_eviction: true\n", "enable_eviction", "memory:"),
+    ("memory:\n  max_tokens: 100\n", "memory.max_tokens", "memory.budget:"),
+    ("store:\n  top_k: 3\n", "store.top_k", "store.recall:"),
+    ("memory:\n  keep_fields: [refs]\n", "memory.keep_fields", "memory.carry:"),
+    ("logging:\n  max_body_bytes: 2048\n", "logging.max_body_bytes", "limits:"),
+    ("store:\n  memory: {}\n", "store.memory", "the top level"),
+])
+def test_a_key_of_another_section_names_that_section(
+    tmp_path: Path, yaml_text: str, key: str, home: str
+) -> None:
+    """A key that exists elsewhere is refused with the section it belongs to."""
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(yaml_text)
+    with pytest.raises(RulesError) as exc:
+        load_rules(cfg, {})
+    assert exc.value.key == key
+    assert exc.value.reason.startswith("unknown key here; it belongs ") and home in exc.value.reason
+
+
+def test_seed_003_parameters_under_store_are_accepted(tmp_path: Path) -> None:
+    """The same list indented under `store:` (its placeholder filled in) loads as written."""
+    cfg = tmp_path / "g.yaml"
+    block = SEED_003_PARAMETERS.replace("<n>", "4000")
+    cfg.write_text("store:\n" + "".join(f"  {ln}\n" for ln in block.splitlines()),
+                   encoding="utf-8")
+    s = load_rules(cfg, {}).store
+    assert (s.write_granularity, s.session_scope, s.default_time_window_s, s.default_tags,
+            s.max_chars_per_record, s.search_top_k, s.time_boundary) == (
+        "turn", "current", 7 * 86400, (), 4000, 5, "half_open")
+    res = check_config(cfg)
+    assert res.returncode == 0, res.stderr
+    assert "default_tags: []" in res.stdout
+    cfg.write_text("store:\n  default_tags: [proj-x, 预算]\n", encoding="utf-8")
+    assert load_rules(cfg, {}).store.default_tags == ("proj-x", "预算")
+    for bad in ("[1]", "['']", "{a: 1}", f"[{'x' * 300}]"):
+        cfg.write_text(f"store:\n  default_tags: {bad}\n")
+        with pytest.raises(RulesError) as exc:
+            load_rules(cfg, {})
+        assert exc.value.key == "store.default_tags" and exc.value.line == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sqlite3
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.store import Store, StoreError, StoreRules, build_filter, build_record
+from gateway.store import MemoryExists, Store, StoreError, StoreRules, build_filter, build_record
 from gateway.store.model import Filter, format_ts, parse_ts
 from gateway.store.postgres import PostgresStore
 from gateway.store.sqlite import SqliteStore
@@ -210,3 +211,112 @@ async def test_any_filter_is_respected_and_tenants_never_mix(
     if not spec["query"]:
         expected = sorted((r for r in recs if f.matches(r)), key=lambda r: -r.ts)
         assert sorted(r.ts for r, _ in got) == sorted(r.ts for r in expected[: spec["top_k"]])
+
+
+# ------------------------------------------------------------------ ids per tenant
+
+ids_and_tenants = st.lists(st.tuples(st.sampled_from(["t-a", "t-b", "t-c"]),
+                                     st.sampled_from(["m1", "m2", "m3"]),
+                                     st.booleans()), min_size=1, max_size=12)
+
+
+@given(writes=ids_and_tenants)
+@settings(max_examples=25,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+async def test_ids_are_unique_per_tenant_property(store: Store, writes: list[Any]) -> None:
+    """For any writes of colliding ids by several tenants: a write is stored or refused
+    (MemoryExists, 409) and never lost; each tenant reads back exactly its first write of
+    each id; an idempotent (archive) write of a held id changes nothing."""
+    run = uuid.uuid4().hex  # the examples share one store: each uses its own ids
+    first: dict[tuple[str, str], str] = {}
+    for n, (tenant, mid, strict) in enumerate(writes):
+        rec = build_record({"memory_id": f"{run}-{mid}", "session_id": "s", "ts": format_ts(T0),
+                            "text": f"{tenant} {mid} #{n}"}, tenant, RULES)
+        held = (tenant, mid) in first
+        if strict and held:
+            with pytest.raises(MemoryExists) as exc:
+                await store.write([rec], exists_ok=False)
+            assert exc.value.status == 409 and exc.value.index == 0
+        else:
+            assert await store.write([rec], exists_ok=not strict) == (0 if held else 1)
+            first.setdefault((tenant, mid), rec.text)
+    for (tenant, mid), text in first.items():
+        back = await store.get(tenant, f"{run}-{mid}")
+        assert back is not None and back.text == text and back.tenant == tenant
+
+
+V1_ROW = ("m-1", "t-a", "agent", "turn", "s", T0, None, "预算 10 万", '["budget"]',
+          '{"turn_id": "1", "user_text": "预算 10 万", "assistant_text": ""}', 0, None)
+
+
+def test_sqlite_v1_file_is_upgraded_in_place(tmp_path: Path) -> None:
+    """A store written by schema 1 (ids unique store-wide) opens as schema 2: its records,
+    tags and full-text index are kept, and another tenant may now use the same id."""
+    import asyncio
+
+    from gateway.store.model import index_text
+    from gateway.store.sqlite import MIGRATIONS as SQLITE_V
+
+    path = tmp_path / "v1.db"
+    db = sqlite3.connect(path)
+    for stmt in SQLITE_V[1]:
+        db.execute(stmt)
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    db.execute("INSERT INTO schema_version VALUES (1)")
+    cur = db.execute("INSERT INTO memories (memory_id, tenant, agent_id, memory_type, session_id, "
+                     "ts, ts_end, text, tags, fields, truncated, original_chars) "
+                     "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", V1_ROW)
+    db.execute("INSERT INTO memories_fts (rowid, body) VALUES (?, ?)",
+               (cur.lastrowid, index_text(V1_ROW[7])))
+    db.execute("INSERT INTO memory_tags VALUES ('m-1', 't-a', 'budget')")
+    db.commit()
+    db.close()
+
+    async def check() -> None:
+        s = SqliteStore(str(path))
+        await s.open()
+        try:
+            await upgraded_store_behaves(s)
+        finally:
+            await s.close()
+
+    asyncio.run(check())
+    assert sqlite3.connect(path).execute("SELECT version FROM schema_version").fetchone() == (2,)
+
+
+async def upgraded_store_behaves(s: Store) -> None:
+    old = await s.get("t-a", "m-1")
+    assert old is not None and old.text == "预算 10 万" and old.tags == ["budget"]
+    f = search({"filter": {"session_id": "s", "time_from": format_ts(T0), "tags": ["budget"]},
+                "query": "预算"})
+    assert [r.memory_id for r, _ in await s.search(f)] == ["m-1"]
+    other = build_record({"memory_id": "m-1", "session_id": "s", "ts": format_ts(T0),
+                          "text": "预算 of t-b", "tags": ["budget"]}, "t-b", RULES)
+    assert await s.write([other], exists_ok=False) == 1
+    assert [r.text for r, _ in await s.search(f)] == ["预算 10 万"]  # t-a's search: its own
+    assert await s.delete("t-b", "m-1") and await s.get("t-a", "m-1") is not None
+
+
+async def test_postgres_v1_table_is_upgraded_in_place() -> None:
+    """The same for a PostgreSQL table created by schema 1."""
+    from gateway.store.model import index_text
+    from gateway.store.postgres import MIGRATIONS as PG_V
+
+    async with pg_schema() as (schema, conn):
+        await conn.execute(f"SET search_path TO {schema}")
+        for stmt in PG_V[1]:
+            await conn.execute(stmt)
+        await conn.execute("CREATE TABLE memgate_schema (version integer NOT NULL)")
+        await conn.execute("INSERT INTO memgate_schema VALUES (1)")
+        await conn.execute(
+            "INSERT INTO memgate_memories (memory_id, tenant, agent_id, memory_type, session_id, "
+            "ts, ts_end, text, tags, fields, truncated, original_chars, fts) VALUES "
+            "($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12, to_tsvector('simple', $13))",
+            *V1_ROW[:8], ["budget"], V1_ROW[9], False, None, index_text(V1_ROW[7]))
+        s = PostgresStore(PG_DSN, search_path=schema)
+        await s.open()
+        try:
+            await upgraded_store_behaves(s)
+        finally:
+            await s.close()
+        assert await conn.fetchval("SELECT version FROM memgate_schema") == 2

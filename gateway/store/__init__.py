@@ -2,7 +2,9 @@
 
 SQLite (one file, no service) is the embedded default; PostgreSQL serves
 replicas that share one store. Both implement the same `Store` protocol and
-the same filter semantics (`Filter.matches`), and run the same tests.
+the same filter semantics (`Filter.matches`), and run the same tests. A backend raises
+only StoreError: StoreUnavailable (503) when it cannot serve, with the cause; its driver's
+own exceptions are mapped inside it.
 """
 
 from __future__ import annotations
@@ -10,7 +12,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-from .model import Filter, Record, StoreError, StoreRules, build_filter, build_record
+from .model import (
+    Filter,
+    MemoryExists,
+    Record,
+    StoreError,
+    StoreRules,
+    StoreUnavailable,
+    build_filter,
+    build_record,
+)
 
 
 class Store(Protocol):
@@ -18,7 +29,7 @@ class Store(Protocol):
 
     async def open(self) -> None: ...
     async def close(self) -> None: ...
-    async def write(self, records: list[Record]) -> int: ...
+    async def write(self, records: list[Record], exists_ok: bool = True) -> int: ...
     async def get(self, tenant: str, memory_id: str) -> Record | None: ...
     async def delete(self, tenant: str, memory_id: str) -> bool: ...
     async def search(self, f: Filter) -> list[tuple[Record, float]]: ...
@@ -30,12 +41,12 @@ def make_store(rules: StoreRules, env: Mapping[str, str]) -> Store:
 
         dsn = env.get(rules.dsn_env, "")
         if not dsn:
-            raise StoreError(f"store.backend is postgres but {rules.dsn_env} is not set", 500)
+            raise StoreUnavailable(f"store.backend is postgres but {rules.dsn_env} is not set")
         return PostgresStore(dsn)
     from .sqlite import SqliteStore
 
     return SqliteStore(rules.path)
 
 
-__all__ = ["Filter", "Record", "Store", "StoreError", "StoreRules", "build_filter",
-           "build_record", "make_store"]
+__all__ = ["Filter", "MemoryExists", "Record", "Store", "StoreError", "StoreRules",
+           "StoreUnavailable", "build_filter", "build_record", "make_store"]

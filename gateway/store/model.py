@@ -2,9 +2,14 @@
 
 Records come in three kinds (granularities): `session`, `turn`, `message`.
 Timestamps must be timezone-aware ISO 8601 and are stored in UTC (microseconds
-since the epoch, so boundaries compare exactly). Chinese (and other CJK) text is
-indexed as overlapping character bigrams, so a full-text index built for
-space-separated words finds "预算" inside "预算10万".
+since the epoch, so boundaries compare exactly), between the years 1 and 9999 in
+UTC so that every stored one can be written out again. Chinese (and other CJK)
+text is indexed as overlapping character bigrams, so a full-text index built for
+space-separated words finds "预算" inside "预算10万". No string holds a NUL
+(PostgreSQL text cannot): in an id or a tag it is refused, in a text it is
+stored as U+FFFD (a chat turn archived with one must not fail the request);
+ids and tags are short enough for any backend's index, and a query uses at most
+MAX_QUERY_TERMS distinct terms, so no input makes a store's work unbounded.
 """
 
 from __future__ import annotations
@@ -16,6 +21,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 KINDS = ("session", "turn", "message")
+ROLES = ("user", "assistant", "system", "tool")
+MAX_ID_CHARS = 256  # ids and tags are index keys (a PostgreSQL b-tree entry is <= ~2.7 KB)
+MAX_TAGS = 100
+MAX_QUERY_TERMS = 64  # the first distinct terms of a query; the rest is not searched
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_US = timedelta(microseconds=1)  # `// _US` is exact; `/ _US`, a float, rounds after ~2255
+TS_MIN = (datetime(1, 1, 1, tzinfo=UTC) - _EPOCH) // _US
+TS_MAX = (datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC) - _EPOCH) // _US
 Boundary = Literal["closed", "half_open"]
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -29,6 +42,42 @@ class StoreError(ValueError):
         self.message, self.status = message, status
 
 
+class StoreUnavailable(StoreError):
+    """The backend cannot serve (unreachable, read-only, failing): 503 with the cause."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 503)
+
+
+class MemoryExists(StoreError):
+    """A write of a memory_id the tenant holds already (records[index] of the write)."""
+
+    def __init__(self, memory_id: str, index: int) -> None:
+        super().__init__(f"memory_id {memory_id!r} exists already for this API key; delete it "
+                         "first, or write without memory_id to get a new one", 409)
+        self.memory_id, self.index = memory_id, index
+
+
+def shown(v: Any) -> str:
+    """A client's value for an error message: short, and never the repr of a deep tree."""
+    if isinstance(v, str | int | float | bool) or v is None:
+        text = repr(v)
+        return text if len(text) <= 80 else text[:77] + "..."
+    return f"a JSON {'array' if isinstance(v, list) else 'object'}"
+
+
+def check_tags(v: Any) -> list[str]:
+    """A list of distinct non-empty tags (ValueError says what is wrong, without the key)."""
+    if not isinstance(v, list) or not all(isinstance(t, str) and t for t in v):
+        raise ValueError("must be a list of non-empty strings")
+    if len(v) > MAX_TAGS:
+        raise ValueError(f"at most {MAX_TAGS} tags, got {len(v)}")
+    for t in v:
+        if len(t) > MAX_ID_CHARS or "\0" in t:
+            raise ValueError(f"a tag is at most {MAX_ID_CHARS} characters, without NUL")
+    return list(dict.fromkeys(v))
+
+
 @dataclass(frozen=True, slots=True)
 class StoreRules:
     backend: Literal["sqlite", "postgres"] = "sqlite"
@@ -38,6 +87,8 @@ class StoreRules:
     session_scope: Literal["current", "cross_session"] = "current"
     time_boundary: Boundary = "half_open"
     default_time_window_s: int = 7 * 86400
+    # added to every record written, and the tag filter of a search that names no tags
+    default_tags: tuple[str, ...] = ()
     search_top_k: int = 5
     max_chars_per_record: int = 8000
     on_overlong: Literal["truncate", "reject"] = "truncate"
@@ -61,19 +112,22 @@ def parse_ts(value: Any, key: str) -> int:
     try:
         dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        raise StoreError(f"{key}: not an ISO 8601 timestamp: {value!r}") from None
+        raise StoreError(f"{key}: not an ISO 8601 timestamp: {shown(value)}") from None
     if dt.tzinfo is None:
-        raise StoreError(f"{key}: timestamp without a timezone: {value!r} "
+        raise StoreError(f"{key}: timestamp without a timezone: {shown(value)} "
                          "(add Z or an offset such as +08:00)")
-    return int((dt - datetime(1970, 1, 1, tzinfo=UTC)) / timedelta(microseconds=1))
+    us = (dt - _EPOCH) // _US
+    if not TS_MIN <= us <= TS_MAX:  # e.g. year 1 at +08:00 is year 0 in UTC
+        raise StoreError(f"{key}: {shown(value)} is outside the years 1 to 9999 in UTC")
+    return us
 
 
 def format_ts(us: int) -> str:
-    return (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=us)).isoformat()
+    return (_EPOCH + timedelta(microseconds=us)).isoformat()
 
 
 def now_us() -> int:
-    return int((datetime.now(UTC) - datetime(1970, 1, 1, tzinfo=UTC)) / timedelta(microseconds=1))
+    return (datetime.now(UTC) - _EPOCH) // _US
 
 
 def index_text(text: str) -> str:
@@ -90,7 +144,13 @@ def index_text(text: str) -> str:
 
 
 def query_terms(query: str) -> list[str]:
-    return list(dict.fromkeys(index_text(query).split()))
+    """The query's first MAX_QUERY_TERMS distinct terms (a 20k-word paste stays bounded)."""
+    out: dict[str, None] = {}
+    for t in index_text(query).split():
+        out[t] = None
+        if len(out) == MAX_QUERY_TERMS:
+            break
+    return list(out)
 
 
 @dataclass(slots=True)
@@ -124,27 +184,59 @@ class Record:
         return out
 
 
-def _str(body: dict[str, Any], key: str, required: bool = True) -> str | None:
+def _text(body: dict[str, Any], key: str, required: bool = True, empty: bool = False) -> str:
+    """A string field (non-empty unless `empty`; "" when absent and not required)."""
     v = body.get(key)
     if v is None and not required:
-        return None
-    if not isinstance(v, str) or not v:
+        return ""
+    if not isinstance(v, str) or not (v or empty):
         raise StoreError(f"{key}: required, a non-empty string")
+    return v.replace("\0", "\ufffd")
+
+
+def check_id(v: Any, key: str, integers: bool = False,
+             limit: int | None = MAX_ID_CHARS) -> str:
+    """An id as stored: a string without NUL (or, where `integers`, an integer), at most
+    `limit` characters (None: an id no index is built on)."""
+    if integers and isinstance(v, int) and not isinstance(v, bool):
+        return str(v)
+    if (not isinstance(v, str) or not v or (limit is not None and len(v) > limit)
+            or "\0" in v):
+        kinds = "a string or an integer" if integers else "a non-empty string"
+        most = f" of at most {limit} characters" if limit is not None else ""
+        raise StoreError(f"{key}: must be {kinds}{most}, without NUL, got {shown(v)}")
     return v
 
 
+def _opt_id(body: dict[str, Any], key: str) -> str:
+    v = body.get(key)
+    return "" if v is None or v == "" else check_id(v, key, integers=True)
+
+
+def _role(body: dict[str, Any]) -> str:
+    role = body.get("role", "user")
+    if not isinstance(role, str) or role not in ROLES:
+        raise StoreError(f"role: must be user, assistant, system or tool, got {shown(role)}")
+    return role
+
+
 def build_record(body: Any, tenant: str, rules: StoreRules) -> Record:
-    """Validate a write request into a Record (the tenant never comes from the body)."""
+    """Validate a write request into a Record (the tenant never comes from the body).
+
+    A turn is written as its two sides (`user_text`, `assistant_text`) or, as seed 003's
+    minimal write does, as one message (`role` + `text`); it is read back as written."""
     if not isinstance(body, dict):
         raise StoreError("body must be a JSON object")
     kind = body.get("memory_type") or body.get("kind") or rules.write_granularity
-    if kind not in KINDS:
-        raise StoreError(f"memory_type: must be one of {', '.join(KINDS)}, got {kind!r}")
-    tags = body.get("tags") or []
-    if not isinstance(tags, list) or not all(isinstance(t, str) and t for t in tags):
-        raise StoreError("tags: must be a list of non-empty strings")
-    agent = _str(body, "agent_id") or ""
-    session = _str(body, "session_id") or ""
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise StoreError(f"memory_type: must be one of {', '.join(KINDS)}, got {shown(kind)}")
+    try:
+        tags = check_tags(body.get("tags") or []) + list(rules.default_tags)
+    except ValueError as exc:
+        raise StoreError(f"tags: {exc}") from None
+    agent = ("" if body.get("agent_id") in (None, "")  # no index on it: X-Agent-Id as sent
+             else check_id(body["agent_id"], "agent_id", limit=None))
+    session = check_id(body.get("session_id"), "session_id")
     fields: dict[str, Any] = {}
     ts_end = None
     if kind == "session":
@@ -152,31 +244,41 @@ def build_record(body: Any, tenant: str, rules: StoreRules) -> Record:
         ts_end = parse_ts(body.get("end_ts"), "end_ts")
         if ts_end < ts:
             raise StoreError("end_ts: earlier than start_ts")
-        text = _str(body, "summary") or ""
+        text = _text(body, "summary")
         fields["summary"] = text
-        ref = body.get("raw_messages_ref")
-        if ref is not None:
-            fields["raw_messages_ref"] = str(ref)
+        if body.get("raw_messages_ref") is not None:
+            fields["raw_messages_ref"] = check_id(body["raw_messages_ref"], "raw_messages_ref",
+                                                  integers=True)
     elif kind == "turn":
         ts = parse_ts(body.get("ts"), "ts")
-        user = body.get("user_text") or ""
-        assistant = body.get("assistant_text") or ""
-        if not isinstance(user, str) or not isinstance(assistant, str) or not (user or assistant):
-            raise StoreError("a turn needs user_text and/or assistant_text (strings)")
-        fields.update(turn_id=str(body.get("turn_id") or ""), user_text=user,
-                      assistant_text=assistant)
-        text = f"{user}\n{assistant}".strip()
+        fields["turn_id"] = _opt_id(body, "turn_id")
+        sides = body.get("user_text") is not None or body.get("assistant_text") is not None
+        if sides and body.get("text") is not None:
+            raise StoreError("a turn is written as user_text/assistant_text or as one message "
+                             "(role + text), not both")
+        if sides:
+            user = _text(body, "user_text", required=False, empty=True)
+            assistant = _text(body, "assistant_text", required=False, empty=True)
+            if not (user or assistant):
+                raise StoreError("a turn needs user_text and/or assistant_text (strings)")
+            fields.update(user_text=user, assistant_text=assistant)
+            text = f"{user}\n{assistant}".strip()
+        elif body.get("text") is not None:
+            text = _text(body, "text")
+            fields["role"] = _role(body)
+        else:
+            raise StoreError("a turn needs user_text and/or assistant_text, or one message "
+                             "as role + text")
     else:
         ts = parse_ts(body.get("ts"), "ts")
-        text = _str(body, "text") or ""
-        role = body.get("role", "user")
-        if role not in ("user", "assistant", "system", "tool"):
-            raise StoreError(f"role: must be user, assistant, system or tool, got {role!r}")
-        fields.update(message_id=str(body.get("message_id") or ""),
-                      turn_id=str(body.get("turn_id") or ""), role=role)
-    rec = Record(memory_id=str(body.get("memory_id") or uuid.uuid4().hex), tenant=tenant,
-                 agent_id=agent, memory_type=kind, session_id=session, ts=ts, text=text,
-                 tags=list(dict.fromkeys(tags)), fields=fields, ts_end=ts_end)
+        text = _text(body, "text")
+        fields.update(message_id=_opt_id(body, "message_id"), turn_id=_opt_id(body, "turn_id"),
+                      role=_role(body))
+    memory_id = body.get("memory_id")
+    rec = Record(memory_id=uuid.uuid4().hex if memory_id is None or memory_id == ""
+                 else check_id(memory_id, "memory_id"),
+                 tenant=tenant, agent_id=agent, memory_type=kind, session_id=session, ts=ts,
+                 text=text, tags=list(dict.fromkeys(tags)), fields=fields, ts_end=ts_end)
     limit = rules.max_chars_per_record
     if len(text) > limit:
         if rules.on_overlong == "reject":
@@ -225,14 +327,14 @@ def build_filter(body: Any, tenant: str, rules: StoreRules, now: int | None = No
     if not isinstance(f, dict):
         raise StoreError("filter: must be an object")
     scope = body.get("scope", rules.session_scope)
-    if scope not in ("current", "cross_session"):
+    if not isinstance(scope, str) or scope not in ("current", "cross_session"):
         raise StoreError("scope: must be current or cross_session")
     session = f.get("session_id")
     if session is None and scope != "cross_session":
         raise StoreError("filter.session_id is required; cross-session search must be asked "
                          'for explicitly with "scope": "cross_session"')
-    if session is not None and (not isinstance(session, str) or not session):
-        raise StoreError("filter.session_id: must be a non-empty string or null")
+    if session is not None:
+        session = check_id(session, "filter.session_id")
     now = now_us() if now is None else now
     has_from, has_to = f.get("time_from") is not None, f.get("time_to") is not None
     if not has_from and not has_to:
@@ -244,11 +346,12 @@ def build_filter(body: Any, tenant: str, rules: StoreRules, now: int | None = No
         boundary = rules.time_boundary
         if t_to < t_from:
             raise StoreError("filter.time_to is earlier than filter.time_from")
-    tags = f.get("tags") or []
-    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise StoreError("filter.tags: must be a list of strings")
+    try:  # no tags named: the configured default_tags (an explicit [] filters none)
+        tags = list(rules.default_tags) if "tags" not in f else check_tags(f["tags"] or [])
+    except ValueError as exc:
+        raise StoreError(f"filter.tags: {exc}") from None
     mtype = f.get("memory_type")
-    if mtype is not None and mtype not in KINDS:
+    if mtype is not None and (not isinstance(mtype, str) or mtype not in KINDS):
         raise StoreError(f"filter.memory_type: must be one of {', '.join(KINDS)}")
     top_k = body.get("top_k", rules.search_top_k)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 100:
@@ -257,8 +360,8 @@ def build_filter(body: Any, tenant: str, rules: StoreRules, now: int | None = No
     if not isinstance(query, str):
         raise StoreError("query: must be a string")
     agent = f.get("agent_id")
-    if agent is not None and not isinstance(agent, str):
-        raise StoreError("filter.agent_id: must be a string")
+    if agent is not None:
+        agent = check_id(agent, "filter.agent_id", limit=None)
     return Filter(tenant=tenant, agent_id=agent, session_id=session, time_from=t_from,
                   time_to=t_to, boundary=boundary, tags=tags, memory_type=mtype, query=query,
                   top_k=top_k)

@@ -1,14 +1,33 @@
 """PostgreSQL backend (asyncpg) for replicas sharing one store: same records, same
-filter semantics, `tsvector` full text over the same CJK-bigram index text."""
+filter semantics, `tsvector` full text over the same CJK-bigram index text.
+
+asyncpg / socket errors are mapped here: a server that is down, refuses the login or
+drops the connection is StoreUnavailable (the API's 503), its cause said without the DSN's
+password; a value the server refuses is a 400. The pool reconnects by itself."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
+import asyncpg
 import orjson
 
-from .model import Filter, Record, StoreError, index_text, query_terms
+from .model import (
+    Filter,
+    MemoryExists,
+    Record,
+    StoreError,
+    StoreUnavailable,
+    index_text,
+    query_terms,
+)
 from .schema import SCHEMA_VERSION
+
+CONNECT_TIMEOUT_S = 5.0  # asyncpg's default is 60 s: a request waits on this at most
+COMMAND_TIMEOUT_S = 30.0
 
 MIGRATIONS: dict[int, list[str]] = {
     1: [
@@ -24,6 +43,8 @@ MIGRATIONS: dict[int, list[str]] = {
         "CREATE INDEX memgate_memories_fts ON memgate_memories USING gin (fts)",
         "CREATE INDEX memgate_memories_tags ON memgate_memories USING gin (tags)",
     ],
+    2: [("ALTER TABLE memgate_memories DROP CONSTRAINT memgate_memories_pkey, "
+         "ADD PRIMARY KEY (tenant, memory_id)")],
 }
 COLUMNS = ("memory_id, tenant, agent_id, memory_type, session_id, ts, ts_end, text, tags, "
            "fields, truncated, original_chars")
@@ -42,20 +63,47 @@ class PostgresStore:
         self.dsn = dsn
         self.search_path = search_path
         self._pool: Any = None
+        parts = urlsplit(dsn)
+        self._where = parts.netloc.rpartition("@")[2] or "localhost"  # host:port, no login
+        self._secret = parts.password
+
+    @contextlib.contextmanager
+    def _mapped(self) -> Iterator[None]:
+        """asyncpg's and the socket's errors as the store's own (around awaits, too)."""
+        try:
+            yield
+        except asyncpg.DataError as exc:
+            raise StoreError(f"the store refused a value: {exc}") from None
+        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            cause = f"{type(exc).__name__}: {exc}"
+            if self._secret:
+                cause = cause.replace(self._secret, "***")
+            raise StoreUnavailable(f"the PostgreSQL store at {self._where} is unavailable: "
+                                   f"{cause}") from None
 
     async def open(self) -> None:
-        import asyncpg
-
         settings = {"search_path": self.search_path} if self.search_path else None
-        self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=10,
-                                               server_settings=settings)
-        async with self._pool.acquire() as c, c.transaction():
+        with self._mapped():
+            pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=10,
+                                             server_settings=settings,
+                                             timeout=CONNECT_TIMEOUT_S,
+                                             command_timeout=COMMAND_TIMEOUT_S)
+        try:
+            with self._mapped():
+                await self._migrate(pool)
+        except StoreError:
+            await pool.close()
+            raise
+        self._pool = pool
+
+    async def _migrate(self, pool: Any) -> None:
+        async with pool.acquire() as c, c.transaction():
             await c.execute("SELECT pg_advisory_xact_lock(727272)")  # one migrator at a time
             await c.execute("CREATE TABLE IF NOT EXISTS memgate_schema (version integer NOT NULL)")
             version = await c.fetchval("SELECT version FROM memgate_schema") or 0
             if version > SCHEMA_VERSION:
-                raise StoreError(f"schema version {version} is newer than this memgate "
-                                 f"understands ({SCHEMA_VERSION}); upgrade memgate", status=500)
+                raise StoreUnavailable(f"schema version {version} is newer than this memgate "
+                                       f"understands ({SCHEMA_VERSION}); upgrade memgate")
             for v in range(version + 1, SCHEMA_VERSION + 1):
                 for stmt in MIGRATIONS[v]:
                     await c.execute(stmt)
@@ -69,29 +117,38 @@ class PostgresStore:
             pool, self._pool = self._pool, None
             await pool.close()
 
-    async def write(self, records: list[Record]) -> int:
+    async def write(self, records: list[Record], exists_ok: bool = True) -> int:
+        """Insert records in one transaction. An id the tenant holds already is left as it
+        is (idempotent archiving) or, unless `exists_ok`, refused: MemoryExists, none written."""
         n = 0
-        async with self._pool.acquire() as c, c.transaction():
-            for r in records:
-                status = await c.execute(
-                    f"INSERT INTO memgate_memories ({COLUMNS}, fts) VALUES "
-                    "($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12, to_tsvector('simple', $13)) "
-                    "ON CONFLICT (memory_id) DO NOTHING",
-                    r.memory_id, r.tenant, r.agent_id, r.memory_type, r.session_id, r.ts,
-                    r.ts_end, r.text, r.tags, orjson.dumps(r.fields).decode(), r.truncated,
-                    r.original_chars, index_text(r.text))
-                n += status.endswith(" 1")
+        with self._mapped():
+            async with self._pool.acquire() as c, c.transaction():
+                for i, r in enumerate(records):
+                    status = await c.execute(
+                        f"INSERT INTO memgate_memories ({COLUMNS}, fts) VALUES "
+                        "($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12, to_tsvector('simple', $13)) "
+                        "ON CONFLICT (tenant, memory_id) DO NOTHING",
+                        r.memory_id, r.tenant, r.agent_id, r.memory_type, r.session_id, r.ts,
+                        r.ts_end, r.text, r.tags, orjson.dumps(r.fields).decode(), r.truncated,
+                        r.original_chars, index_text(r.text))
+                    inserted = status.endswith(" 1")
+                    if not inserted and not exists_ok:
+                        raise MemoryExists(r.memory_id, i)  # the transaction rolls back
+                    n += inserted
         return n
 
     async def get(self, tenant: str, memory_id: str) -> Record | None:
-        row = await self._pool.fetchrow(
-            f"SELECT {COLUMNS} FROM memgate_memories WHERE tenant = $1 AND memory_id = $2",
-            tenant, memory_id)
+        with self._mapped():
+            row = await self._pool.fetchrow(
+                f"SELECT {COLUMNS} FROM memgate_memories WHERE tenant = $1 AND memory_id = $2",
+                tenant, memory_id)
         return _row(row) if row else None
 
     async def delete(self, tenant: str, memory_id: str) -> bool:
-        status = await self._pool.execute(
-            "DELETE FROM memgate_memories WHERE tenant = $1 AND memory_id = $2", tenant, memory_id)
+        with self._mapped():
+            status = await self._pool.execute(
+                "DELETE FROM memgate_memories WHERE tenant = $1 AND memory_id = $2",
+                tenant, memory_id)
         return bool(status.endswith(" 1"))
 
     async def search(self, f: Filter) -> list[tuple[Record, float]]:
@@ -117,8 +174,11 @@ class PostgresStore:
             sql = (f"SELECT {COLUMNS}, ts_rank(fts, to_tsquery('simple', {q})) AS score "
                    f"FROM memgate_memories WHERE {' AND '.join(where)} "
                    f"ORDER BY score DESC, ts DESC LIMIT {int(f.top_k)}")
-            rows = await self._pool.fetch(sql, *args)
+            with self._mapped():
+                rows = await self._pool.fetch(sql, *args)
             return [(_row(r), float(r["score"])) for r in rows]
         sql = (f"SELECT {COLUMNS} FROM memgate_memories WHERE {' AND '.join(where)} "
                f"ORDER BY ts DESC LIMIT {int(f.top_k)}")
-        return [(_row(r), 0.0) for r in await self._pool.fetch(sql, *args)]
+        with self._mapped():
+            rows = await self._pool.fetch(sql, *args)
+        return [(_row(r), 0.0) for r in rows]

@@ -1,4 +1,8 @@
-"""SQLite backend: the embedded default (one file, WAL), FTS5 BM25 for `query`."""
+"""SQLite backend: the embedded default (one file, WAL), FTS5 BM25 for `query`.
+
+Every sqlite3 / OS error is mapped here to StoreUnavailable (the API's 503 with the cause):
+a read-only directory, a full disk or a path that cannot be created degrades the memory
+routes, never into a bare 500."""
 
 from __future__ import annotations
 
@@ -10,8 +14,25 @@ from typing import Any
 
 import orjson
 
-from .model import Filter, Record, StoreError, query_terms
+from .model import (
+    Filter,
+    MemoryExists,
+    Record,
+    StoreError,
+    StoreUnavailable,
+    index_text,
+    query_terms,
+)
 from .schema import SCHEMA_VERSION
+
+_V2_MEMORIES = """CREATE TABLE memories_v2 (
+            rowid INTEGER PRIMARY KEY,
+            memory_id TEXT NOT NULL,
+            tenant TEXT NOT NULL, agent_id TEXT NOT NULL, memory_type TEXT NOT NULL,
+            session_id TEXT NOT NULL, ts INTEGER NOT NULL, ts_end INTEGER,
+            text TEXT NOT NULL, tags TEXT NOT NULL, fields TEXT NOT NULL,
+            truncated INTEGER NOT NULL DEFAULT 0, original_chars INTEGER,
+            UNIQUE (tenant, memory_id))"""
 
 MIGRATIONS: dict[int, list[str]] = {
     1: [
@@ -29,9 +50,24 @@ MIGRATIONS: dict[int, list[str]] = {
         "CREATE INDEX memory_tags_tag ON memory_tags (tenant, tag)",
         "CREATE VIRTUAL TABLE memories_fts USING fts5(body)",
     ],
+    2: [  # SQLite cannot change a constraint: copy into tables keyed by (tenant, memory_id)
+        _V2_MEMORIES,  # rowids kept: they are the full-text index's keys
+        "INSERT INTO memories_v2 (rowid, {c}) SELECT rowid, {c} FROM memories",
+        "DROP TABLE memories",
+        "ALTER TABLE memories_v2 RENAME TO memories",
+        "CREATE INDEX memories_scope ON memories (tenant, session_id, ts)",
+        "CREATE INDEX memories_time ON memories (tenant, ts)",
+        """CREATE TABLE memory_tags_v2 (memory_id TEXT NOT NULL, tenant TEXT NOT NULL,
+            tag TEXT NOT NULL, PRIMARY KEY (tenant, memory_id, tag))""",
+        "INSERT INTO memory_tags_v2 SELECT memory_id, tenant, tag FROM memory_tags",
+        "DROP TABLE memory_tags",
+        "ALTER TABLE memory_tags_v2 RENAME TO memory_tags",
+        "CREATE INDEX memory_tags_tag ON memory_tags (tenant, tag)",
+    ],
 }
 COLUMNS = ("memory_id, tenant, agent_id, memory_type, session_id, ts, ts_end, text, tags, "
            "fields, truncated, original_chars")
+MIGRATIONS[2][1] = MIGRATIONS[2][1].format(c=COLUMNS)
 
 
 def _row(r: tuple[Any, ...]) -> Record:
@@ -52,28 +88,25 @@ class SqliteStore:
         await asyncio.to_thread(self._open)
 
     def _open(self) -> None:
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-        row = db.execute("SELECT version FROM schema_version").fetchone()
-        version = row[0] if row else 0
-        if version > SCHEMA_VERSION:
+        try:
+            if self.path != ":memory:":
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        except (sqlite3.Error, OSError) as exc:
+            raise self._unavailable("cannot be opened", exc) from None
+        try:
+            _migrate(db, self.path)
+        except (sqlite3.Error, OSError) as exc:
             db.close()
-            raise StoreError(f"{self.path}: schema version {version} is newer than this memgate "
-                             f"understands ({SCHEMA_VERSION}); upgrade memgate", status=500)
-        with db:
-            db.execute("BEGIN")
-            for v in range(version + 1, SCHEMA_VERSION + 1):
-                for stmt in MIGRATIONS[v]:
-                    db.execute(stmt)
-            if version == 0:
-                db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
-            else:
-                db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+            raise self._unavailable("cannot be opened", exc) from None
+        except StoreError:
+            db.close()
+            raise
         self._db = db
+
+    def _unavailable(self, what: str, exc: Exception) -> StoreUnavailable:
+        return StoreUnavailable(f"the SQLite store {self.path} {what}: "
+                                f"{type(exc).__name__}: {exc}")
 
     async def close(self) -> None:
         if self._db is not None:
@@ -82,12 +115,16 @@ class SqliteStore:
 
     def _run(self, fn: Any, *args: Any) -> Any:
         assert self._db is not None, "store not opened"
-        with self._lock:
-            return fn(self._db, *args)
+        try:
+            with self._lock:
+                return fn(self._db, *args)
+        except (sqlite3.Error, OSError) as exc:
+            raise self._unavailable("failed", exc) from None
 
-    async def write(self, records: list[Record]) -> int:
-        """Insert records; an existing memory_id is left as it is (idempotent archiving)."""
-        return int(await asyncio.to_thread(self._run, _write, records))
+    async def write(self, records: list[Record], exists_ok: bool = True) -> int:
+        """Insert records in one transaction. An id the tenant holds already is left as it
+        is (idempotent archiving) or, unless `exists_ok`, refused: MemoryExists, none written."""
+        return int(await asyncio.to_thread(self._run, _write, records, exists_ok))
 
     async def get(self, tenant: str, memory_id: str) -> Record | None:
         rec: Record | None = await asyncio.to_thread(self._run, _get, tenant, memory_id)
@@ -101,18 +138,38 @@ class SqliteStore:
         return out
 
 
-def _write(db: sqlite3.Connection, records: list[Record]) -> int:
-    from .model import index_text
+def _migrate(db: sqlite3.Connection, path: str) -> None:
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+    row = db.execute("SELECT version FROM schema_version").fetchone()
+    version = row[0] if row else 0
+    if version > SCHEMA_VERSION:
+        raise StoreUnavailable(f"{path}: schema version {version} is newer than this memgate "
+                               f"understands ({SCHEMA_VERSION}); upgrade memgate")
+    with db:
+        db.execute("BEGIN")
+        for v in range(version + 1, SCHEMA_VERSION + 1):
+            for stmt in MIGRATIONS[v]:
+                db.execute(stmt)
+        if version == 0:
+            db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
+        else:
+            db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
 
+
+def _write(db: sqlite3.Connection, records: list[Record], exists_ok: bool) -> int:
     n = 0
     with db:
         db.execute("BEGIN")
-        for r in records:
+        for i, r in enumerate(records):
             cur = db.execute(
                 f"INSERT OR IGNORE INTO memories ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 (r.memory_id, r.tenant, r.agent_id, r.memory_type, r.session_id, r.ts, r.ts_end,
                  r.text, orjson.dumps(r.tags).decode(), orjson.dumps(r.fields).decode(),
                  int(r.truncated), r.original_chars))
+            if not cur.rowcount and not exists_ok:
+                raise MemoryExists(r.memory_id, i)  # leaves `with db`: rolled back
             if cur.rowcount:
                 n += 1
                 db.execute("INSERT INTO memories_fts (rowid, body) VALUES (?, ?)",
@@ -136,7 +193,8 @@ def _delete(db: sqlite3.Connection, tenant: str, memory_id: str) -> int:
         if not row:
             return 0
         db.execute("DELETE FROM memories_fts WHERE rowid = ?", (row[0],))
-        db.execute("DELETE FROM memory_tags WHERE memory_id = ?", (memory_id,))
+        db.execute("DELETE FROM memory_tags WHERE tenant = ? AND memory_id = ?",
+                   (tenant, memory_id))
         db.execute("DELETE FROM memories WHERE rowid = ?", (row[0],))
     return 1
 
@@ -154,8 +212,8 @@ def _search(db: sqlite3.Connection, f: Filter) -> list[tuple[Record, float]]:
         where.append("m.memory_type = ?")
         args.append(f.memory_type)
     if f.tags:
-        where.append("EXISTS (SELECT 1 FROM memory_tags t WHERE t.memory_id = m.memory_id "
-                     f"AND t.tag IN ({','.join('?' * len(f.tags))}))")
+        where.append("EXISTS (SELECT 1 FROM memory_tags t WHERE t.tenant = m.tenant AND "
+                     f"t.memory_id = m.memory_id AND t.tag IN ({','.join('?' * len(f.tags))}))")
         args.extend(f.tags)
     cols = ", ".join(f"m.{c.strip()}" for c in COLUMNS.split(","))
     terms = query_terms(f.query)
