@@ -214,8 +214,14 @@ def decide(
         d.skip_reason = "no_messages"
         return d
     markers = rules.memory.markers
+    d.budget_tokens = budget_tokens(rules, payload, model)
+    # before the parse: with server-side state a result may answer a call the server
+    # holds, which is no pairing error (and nothing client-side to evict)
+    d.skip_reason = wire.skip_reason(payload)
     try:
-        if history is not None and key is not None:
+        if d.skip_reason is not None:  # never planned: the session's cache saves nothing
+            d.conv = wire.parse_continuation(items, markers.system_prefix, markers.min_score)
+        elif history is not None and key is not None:
             d.view = history.parse(key, wire, items, rules, len(raw), markers.system_prefix,
                                    markers.min_score)
             d.conv = d.view.conv
@@ -228,8 +234,6 @@ def decide(
     except ValueError as exc:  # BadMetadata
         raise BadRequest(str(exc)) from None
     d.conv.outside_chars = wire.fixed_chars(payload)
-    d.budget_tokens = budget_tokens(rules, payload, model)
-    d.skip_reason = wire.skip_reason(payload)
     if d.mode != "off" and d.skip_reason is None:
         prules = plan_rules(rules, d.budget_tokens)
         overhead = d.overhead_tokens() if d.budget_tokens is not None else 0

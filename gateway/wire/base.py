@@ -36,6 +36,12 @@ class Wire:
     def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
         raise NotImplementedError
 
+    def parse_continuation(self, items: list[Any], prefix: str, min_score: float
+                           ) -> Conversation:
+        """Parse a body that `skip_reason` found continuing a history the server holds:
+        its items may answer calls that are not among them."""
+        return self.parse(items, prefix, min_score)
+
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
         raise NotImplementedError
 
