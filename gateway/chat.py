@@ -189,14 +189,15 @@ def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
 def decide(
     raw: bytes, payload: Any, rules: Rules, tokenizers: Tokenizers, wire: Wire = OPENAI_CHAT,
     recalled: list[str] | None = None, history: HistoryCache | None = None,
-    key: tuple[str, str] | None = None,
+    key: tuple[str, str] | None = None, default_model: str | None = None,
 ) -> Decision:
     """Plan one request; raises BadRequest / OverBudget for the client.
 
     With a `history` cache and the session's `key`, only what the session appended
-    since its previous request is parsed, counted and folded."""
+    since its previous request is parsed, counted and folded. `default_model` is the
+    model of a body that names none (an Azure deployment route names it in the path)."""
     model = payload.get("model") if isinstance(payload, dict) else None
-    model = model if isinstance(model, str) else None
+    model = model if isinstance(model, str) else default_model
     counter = tokenizers.get(rules.model_info(model).encoding)
     d = Decision(
         raw=raw, payload=payload, wire=wire, mode=rules.memory.mode, model=model,

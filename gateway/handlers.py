@@ -233,7 +233,7 @@ def _decide(
     items = wire.items(payload) if isinstance(payload, dict) else None
     session = _session(request, rules.session_header, payload, items, tenant)
     d = decide(raw, payload, rules, state.tokenizers, wire, history=history,
-               key=(tenant, session))
+               key=(tenant, session), default_model=request.match_info.get("deployment"))
     d.spliced_from = src
     return d, session
 
@@ -270,7 +270,7 @@ async def _with_recall(
     if not recalled:
         return d
     again = decide(d.raw, d.payload, rules, state.tokenizers, wire, recalled=recalled,
-                   history=state.history_cache, key=(tenant, session))
+                   history=state.history_cache, key=(tenant, session), default_model=d.model)
     again.spliced_from = d.spliced_from
     return again
 
