@@ -158,7 +158,7 @@ def intercept(wire: Wire) -> Handler:
                     deferred = True
                     overhead_ms = (time.perf_counter() - t0) * 1000
                     return await relay(request, state.pool, rules.upstream_for(request.path),
-                                       raw, info)
+                                       raw, info, stream_ends=wire.stream_ends)
                 d, session = _decide(state, request, rules, wire, raw, tenant)
                 if rules.store.recall_enabled and d.mode == "on" and d.plan is not None:
                     d = await _with_recall(state, rules, wire, d, tenant, session)
@@ -167,14 +167,15 @@ def intercept(wire: Wire) -> Handler:
                 # measured while the upstream answers: the loop would wait for it otherwise
                 measuring = asyncio.ensure_future(
                     _measure(state, request, tenant, session, wire, d, rid))
-                return await relay(request, state.pool, up, d.forward, info)
+                return await relay(request, state.pool, up, d.forward, info,
+                                   stream_ends=wire.stream_ends)
             except GatewayError as err:
                 info.status = err.status
                 if not overhead_ms:
                     overhead_ms = (time.perf_counter() - t0) * 1000
                 return error_response(err, wire.flavor)
         except asyncio.CancelledError:
-            info.stream = "client_gone"
+            info.client_left()
             raise
         finally:
             if deferred and raw is not None:

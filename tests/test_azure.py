@@ -96,10 +96,9 @@ async def test_azure_stream_and_shadow_bytes_unchanged(
                        upstreams=routes(azure, upstream))
     raw = orjson.dumps({"model": "prod-4o", "messages": history()}, option=orjson.OPT_INDENT_2)
     url = f"{gw.url}/openai/deployments/prod-4o/chat/completions?api-version=2024-10-21"
-    async with aiohttp.ClientSession() as s:
-        async with s.post(url, data=raw, headers={"api-key": "x",
-                                                  "Content-Type": "application/json"}) as r:
-            assert r.status == 200
+    async with aiohttp.ClientSession() as s, s.post(
+            url, data=raw, headers={"api-key": "x", "Content-Type": "application/json"}) as r:
+        assert r.status == 200
     assert azure.received[-1]["raw"] == raw
     ev = (await gw.wait_mem(1))[-1]
     assert ev["mode"] == "shadow" and int(ev["would_drop"]) > 0
@@ -125,9 +124,9 @@ async def test_deployment_name_is_the_model_without_one_in_the_body(
     gw = await gateway(memory=EVICT, upstreams=ups)
     body = orjson.dumps({"messages": history()})
     url = f"{gw.url}/openai/deployments/gpt-4o-eu/chat/completions?api-version=2024-10-21"
-    async with aiohttp.ClientSession() as s:
-        async with s.post(url, data=body, headers={"api-key": "x"}) as r:
-            assert r.status == 200
+    async with aiohttp.ClientSession() as s, s.post(url, data=body,
+                                                    headers={"api-key": "x"}) as r:
+        assert r.status == 200
     assert len(azure.received) == 1 and upstream.received == []
     ev = (await gw.wait_mem(1))[-1]
     assert ev["model"] == "gpt-4o-eu" and int(ev["dropped"]) > 0

@@ -24,6 +24,9 @@ class Wire:
     # items may carry provider prompt-cache breakpoints (the parse then lists them in
     # Conversation.cache_marked)
     cache_markers = False
+    # the line that starts the last event of a complete stream (stream completion is
+    # judged by it, not by when the client hung up)
+    stream_ends: tuple[bytes, ...] = ()
 
     def items(self, payload: dict[str, Any]) -> list[Any] | None:
         v = payload.get(self.items_key)

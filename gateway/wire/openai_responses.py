@@ -160,6 +160,8 @@ class OpenAIResponses(Wire):
     name = "openai_responses"
     flavor = "openai"
     items_key = "input"
+    stream_ends = (b"event: response.completed", b"event: response.failed",
+                   b"event: response.incomplete")
 
     def items(self, payload: dict[str, Any]) -> list[Any] | None:
         v = payload.get("input")
