@@ -126,8 +126,9 @@ def request_headers(incoming: Any, up: Upstream) -> CIMultiDict[str]:
         if key:  # the gateway's key replaces whatever the client sent
             out.popall("Authorization", None)
             out.popall("x-api-key", None)
-            if up.api_key_header == "x-api-key":
-                out["x-api-key"] = key
+            out.popall("api-key", None)  # Azure OpenAI's
+            if up.api_key_header in ("x-api-key", "api-key"):
+                out[up.api_key_header] = key
             else:
                 out["Authorization"] = f"Bearer {key}"
     return out

@@ -174,3 +174,22 @@ async def test_azure_v1_chat_completions(
     assert len(sent) < len(msgs)
     ev = (await gw.wait_mem(1))[-1]
     assert int(ev["dropped"]) == len(msgs) - len(sent)
+
+
+async def test_gateway_key_injected_as_api_key(
+    gateway: GatewayFactory, upstream: Upstream, azure: Upstream,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """api_key_header: api-key injects the gateway's Azure key in Azure's header, in place
+    of the key the client sent (in api-key or Authorization)."""
+    monkeypatch.setenv("MEMGATE_TEST_AZURE_KEY", "azure-secret")
+    ups = routes(azure, upstream)
+    ups[0].update(api_key_env="MEMGATE_TEST_AZURE_KEY", api_key_header="api-key")
+    gw = await gateway(upstreams=ups)
+    client = openai.AsyncAzureOpenAI(azure_endpoint=gw.url, api_key="client-key",
+                                     api_version="2024-10-21", max_retries=0,
+                                     default_headers={"Authorization": "Bearer client-key"})
+    async with client:
+        await client.chat.completions.create(model="prod-4o", messages=history(1))  # type: ignore[arg-type]
+    headers = azure.received[-1]["headers"]
+    assert headers.getall("api-key") == ["azure-secret"] and "Authorization" not in headers
