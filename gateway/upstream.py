@@ -57,7 +57,7 @@ class StreamEnd:
     costs the chunk's last event, not the chunk (Responses' response.completed carries
     the whole response, so its event line can lie far from the end of the stream). The
     few bytes before a chunk boundary are kept, so a line split across two chunks is
-    still seen; nothing else of the stream is held."""
+    still seen; nothing else of the stream is held. All `ends` are lines of one field."""
 
     __slots__ = ("_ends", "_field", "_keep", "_tail")
 
@@ -69,7 +69,8 @@ class StreamEnd:
         self._tail = b"\n"  # the stream's first line starts a line too
 
     def seen(self, chunk: bytes) -> bool:
-        """Does the stream so far, ending with `chunk`, hold a terminal event line?"""
+        """Is the last line of the field in `chunk` (or one across the boundary before
+        it) a terminal event line?"""
         keep, field, ends = self._keep, self._field, self._ends
         edge = self._tail + chunk[:keep]
         self._tail = edge[-keep:] if len(chunk) < keep else chunk[-keep:]

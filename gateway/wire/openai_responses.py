@@ -132,8 +132,8 @@ def parse(items: list[Any], prefix: str, min_score: float,
                         refs_from = g
                 groups[-1].indices.append(i)
             lead_in = False
-        elif t == "reasoning" or t == REFERENCE:
-            if lead_in and groups:
+        elif t in ("reasoning", REFERENCE):
+            if lead_in:
                 groups[-1].indices.append(i)
             else:
                 groups.append(Group([i], turn, False))
