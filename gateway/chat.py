@@ -189,14 +189,15 @@ def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
 def decide(
     raw: bytes, payload: Any, rules: Rules, tokenizers: Tokenizers, wire: Wire = OPENAI_CHAT,
     recalled: list[str] | None = None, history: HistoryCache | None = None,
-    key: tuple[str, str] | None = None,
+    key: tuple[str, str] | None = None, default_model: str | None = None,
 ) -> Decision:
     """Plan one request; raises BadRequest / OverBudget for the client.
 
     With a `history` cache and the session's `key`, only what the session appended
-    since its previous request is parsed, counted and folded."""
+    since its previous request is parsed, counted and folded. `default_model` is the
+    model of a body that names none (an Azure deployment route names it in the path)."""
     model = payload.get("model") if isinstance(payload, dict) else None
-    model = model if isinstance(model, str) else None
+    model = model if isinstance(model, str) else default_model
     counter = tokenizers.get(rules.model_info(model).encoding)
     d = Decision(
         raw=raw, payload=payload, wire=wire, mode=rules.memory.mode, model=model,
@@ -214,8 +215,14 @@ def decide(
         d.skip_reason = "no_messages"
         return d
     markers = rules.memory.markers
+    d.budget_tokens = budget_tokens(rules, payload, model)
+    # before the parse: with server-side state a result may answer a call the server
+    # holds, which is no pairing error (and nothing client-side to evict)
+    d.skip_reason = wire.skip_reason(payload)
     try:
-        if history is not None and key is not None:
+        if d.skip_reason is not None:  # never planned: the session's cache saves nothing
+            d.conv = wire.parse_continuation(items, markers.system_prefix, markers.min_score)
+        elif history is not None and key is not None:
             d.view = history.parse(key, wire, items, rules, len(raw), markers.system_prefix,
                                    markers.min_score)
             d.conv = d.view.conv
@@ -228,8 +235,6 @@ def decide(
     except ValueError as exc:  # BadMetadata
         raise BadRequest(str(exc)) from None
     d.conv.outside_chars = wire.fixed_chars(payload)
-    d.budget_tokens = budget_tokens(rules, payload, model)
-    d.skip_reason = wire.skip_reason(payload)
     if d.mode != "off" and d.skip_reason is None:
         prules = plan_rules(rules, d.budget_tokens)
         overhead = d.overhead_tokens() if d.budget_tokens is not None else 0

@@ -175,7 +175,8 @@ def intercept(wire: Wire) -> Handler:
                     deferred = True
                     overhead_ms = (time.perf_counter() - t0) * 1000
                     return await relay(request, state.pool, up, raw, info,
-                                       credential_headers=rules.tenants.credential_headers)
+                                       credential_headers=rules.tenants.credential_headers,
+                                       stream_ends=wire.stream_ends)
                 d, session = _decide(state, request, rules, wire, raw, tenant)
                 if up is None:
                     up = rules.upstream_for(request.path, d.model)
@@ -193,14 +194,15 @@ def intercept(wire: Wire) -> Handler:
                 measuring = asyncio.ensure_future(
                     _measure(state, request, tenant, session, wire, d, rid, recall_failed))
                 return await relay(request, state.pool, up, d.forward, info,
-                                   credential_headers=rules.tenants.credential_headers)
+                                   credential_headers=rules.tenants.credential_headers,
+                                   stream_ends=wire.stream_ends)
             except GatewayError as err:
                 info.status = err.status
                 if not overhead_ms:
                     overhead_ms = (time.perf_counter() - t0) * 1000
                 return error_response(err, wire.flavor)
         except asyncio.CancelledError:
-            info.stream = "client_gone"
+            info.client_left()
             raise
         finally:
             if deferred and raw is not None:
@@ -263,7 +265,8 @@ def _decide(
     session = _session(request, rules.session_header, payload, items, tenant)
     # a caller without a tenant has no session history: its requests share nothing
     d = decide(raw, payload, rules, state.tokenizers, wire, history=history,
-               key=None if tenant is None else (tenant, session))
+               key=None if tenant is None else (tenant, session),
+               default_model=request.match_info.get("deployment"))
     d.spliced_from = src
     return d, session
 
@@ -298,7 +301,7 @@ async def _with_recall(
     if not recalled:
         return d, store.failed
     again = decide(d.raw, d.payload, rules, state.tokenizers, wire, recalled=recalled,
-                   history=state.history_cache, key=(tenant, session))
+                   history=state.history_cache, key=(tenant, session), default_model=d.model)
     again.spliced_from = d.spliced_from
     return again, store.failed
 

@@ -81,7 +81,7 @@ class Upstream:
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 600.0
     api_key_env: str | None = None  # inject this env var's key instead of the client's
-    api_key_header: Literal["authorization", "x-api-key"] = "authorization"
+    api_key_header: Literal["authorization", "x-api-key", "api-key"] = "authorization"
     proxy: str | None = None  # egress HTTP proxy for this upstream
 
     def serves(self, path: str, model: str | None) -> bool:
@@ -615,7 +615,8 @@ def _parse_upstreams(r: _Reader, data: Any) -> tuple[Upstream, ...]:
             read_timeout_s=r.get(u, key, "read_timeout_s", _float(0.001, 86400), 600.0),
             api_key_env=r.get(u, key, "api_key_env", _str(), None),
             api_key_header=r.get(
-                u, key, "api_key_header", _str(("authorization", "x-api-key")), "authorization"
+                u, key, "api_key_header", _str(("authorization", "x-api-key", "api-key")),
+                "authorization"
             ),
             proxy=r.get(u, key, "proxy", _base_url, None),
         )

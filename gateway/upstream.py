@@ -40,6 +40,45 @@ class Relayed:
     upstream_ms: float = 0.0
     bytes_out: int = 0
     stream: str = "complete"  # complete | upstream_aborted | client_gone
+    ended: bool = False  # the upstream's terminal event was relayed to the client
+
+    def client_left(self) -> None:
+        """The client hung up: a stream it was sent to its terminal event is complete
+        (the openai SDK closes right after [DONE], before the upstream ends the body)."""
+        self.stream = "complete" if self.ended else "client_gone"
+
+
+class StreamEnd:
+    """Watches relayed SSE bytes for a terminal event line (`ends`, e.g. b"data: [DONE]").
+
+    Only a line start counts: a newline inside a JSON data line is always escaped, so no
+    text can fake one. A terminal event is the stream's last, so each chunk is judged by
+    its last line of that field (`data:` / `event:`), found from the chunk's end: that
+    costs the chunk's last event, not the chunk (Responses' response.completed carries
+    the whole response, so its event line can lie far from the end of the stream). The
+    few bytes before a chunk boundary are kept, so a line split across two chunks is
+    still seen; nothing else of the stream is held. All `ends` are lines of one field."""
+
+    __slots__ = ("_ends", "_field", "_keep", "_tail")
+
+    def __init__(self, ends: tuple[bytes, ...]) -> None:
+        self._ends = tuple(b"\n" + e for e in ends)
+        first = self._ends[0]
+        self._field = first[: first.index(b": ") + 2]  # b"\ndata: ", b"\nevent: "
+        self._keep = max(map(len, self._ends)) - 1
+        self._tail = b"\n"  # the stream's first line starts a line too
+
+    def seen(self, chunk: bytes) -> bool:
+        """Is the last line of the field in `chunk` (or one across the boundary before
+        it) a terminal event line?"""
+        keep, field, ends = self._keep, self._field, self._ends
+        edge = self._tail + chunk[:keep]
+        self._tail = edge[-keep:] if len(chunk) < keep else chunk[-keep:]
+        last = edge.rfind(field)
+        if last >= 0 and edge.startswith(ends, last):
+            return True
+        last = chunk.rfind(field)
+        return last >= 0 and chunk.startswith(ends, last)
 
 
 class UpstreamPool:
@@ -96,11 +135,11 @@ def request_headers(incoming: Any, up: Upstream,
         if key:  # the gateway's key replaces whatever the client sent
             out.popall("Authorization", None)
             out.popall("x-api-key", None)
-            out.popall("api-key", None)
+            out.popall("api-key", None)  # Azure OpenAI's
             for name in credential_headers:
                 out.popall(name, None)
-            if up.api_key_header == "x-api-key":
-                out["x-api-key"] = key
+            if up.api_key_header in ("x-api-key", "api-key"):
+                out[up.api_key_header] = key
             else:
                 out["Authorization"] = f"Bearer {key}"
     return out
@@ -130,11 +169,14 @@ async def relay(
     info: Relayed,
     extra_headers: dict[str, str] | None = None,
     credential_headers: tuple[str, ...] = (),
+    stream_ends: tuple[bytes, ...] = (),
 ) -> web.StreamResponse:
     """Send the request upstream and stream the answer back as it arrives.
 
     Raises GatewayError when no upstream response could be had; once the
     response has started, failures end the stream and are recorded in `info`.
+    An event stream is complete once a `stream_ends` line was relayed, whoever
+    hangs up after it.
     """
     headers = request_headers(request.headers, up, credential_headers)
     if extra_headers:
@@ -165,17 +207,22 @@ async def relay(
         try:
             await resp.prepare(request)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            info.stream = "client_gone"
+            info.client_left()
             return resp
+        end = (StreamEnd(stream_ends) if stream_ends
+               and up_resp.content_type == "text/event-stream" else None)
         try:
             async for chunk in up_resp.content.iter_any():
                 info.bytes_out += len(chunk)
                 await resp.write(chunk)
+                if end is not None and end.seen(chunk):
+                    info.ended, end = True, None
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            info.stream = "client_gone"
+            info.client_left()
             return resp
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            info.stream = "upstream_aborted"
+            # after its terminal event the answer is whole, however the upstream hangs up
+            info.stream = "complete" if info.ended else "upstream_aborted"
             # the status line is gone already: end a chunked stream cleanly; a body
             # with a Content-Length cannot be completed, so the connection is closed
             if up_resp.content_length is None:
@@ -189,5 +236,5 @@ async def relay(
         try:
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            info.stream = "client_gone"
+            info.client_left()
     return resp

@@ -15,10 +15,17 @@ WIRES: dict[str, Wire] = {
     "messages": ANTHROPIC_MESSAGES,
     "responses": OPENAI_RESPONSES,
 }
+# route -> wire; the first route of a wire is its canonical path (path_of). Azure OpenAI:
+# the deployment routes (AzureOpenAI client, ?api-version=...; the deployment name is
+# the model when the body has none), /openai/responses and the v1 API under /openai/v1
 PATHS: dict[str, Wire] = {
     "/v1/chat/completions": OPENAI_CHAT,
     "/v1/messages": ANTHROPIC_MESSAGES,
     "/v1/responses": OPENAI_RESPONSES,
+    "/openai/deployments/{deployment}/chat/completions": OPENAI_CHAT,
+    "/openai/v1/chat/completions": OPENAI_CHAT,
+    "/openai/responses": OPENAI_RESPONSES,
+    "/openai/v1/responses": OPENAI_RESPONSES,
 }
 _ANTHROPIC_BLOCKS = frozenset(("tool_use", "tool_result", "thinking", "redacted_thinking"))
 

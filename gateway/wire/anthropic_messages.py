@@ -125,6 +125,7 @@ class AnthropicMessages(Wire):
     items_key = "messages"
     approx_tokens = True
     cache_markers = True
+    stream_ends = (b"event: message_stop",)
 
     def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
         return parse(items, prefix, min_score)

@@ -24,6 +24,9 @@ class Wire:
     # items may carry provider prompt-cache breakpoints (the parse then lists them in
     # Conversation.cache_marked)
     cache_markers = False
+    # the line that starts the last event of a complete stream (stream completion is
+    # judged by it, not by when the client hung up)
+    stream_ends: tuple[bytes, ...] = ()
 
     def items(self, payload: dict[str, Any]) -> list[Any] | None:
         v = payload.get(self.items_key)
@@ -35,6 +38,12 @@ class Wire:
 
     def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
         raise NotImplementedError
+
+    def parse_continuation(self, items: list[Any], prefix: str, min_score: float
+                           ) -> Conversation:
+        """Parse a body that `skip_reason` found continuing a history the server holds:
+        its items may answer calls that are not among them."""
+        return self.parse(items, prefix, min_score)
 
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
         raise NotImplementedError

@@ -160,6 +160,7 @@ class OpenAIChat(Wire):
     name = "openai_chat"
     flavor = "openai"
     items_key = "messages"
+    stream_ends = (b"data: [DONE]",)
 
     def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
         return parse(items, prefix, min_score)

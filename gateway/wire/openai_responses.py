@@ -4,9 +4,14 @@
 system/developer messages are fixed. A `function_call` and the
 `function_call_output` with its `call_id` are one group; consecutive calls of
 one response share a group; a `reasoning` item stays with the call or message
-it precedes. Item types the gateway does not know stay glued to the item
-before them. A request with `previous_response_id` or `conversation` has
-server-side state: it is measured, never evicted.
+it precedes. An `item_reference` (an item the server stored, sent by id) is
+the stand-in of what it refers to: it stays with what follows it, like
+reasoning, and a `function_call_output` whose call is not in the list pairs
+with the references of its turn (which one is the call cannot be told: all
+of them, and what lies between, are one group). Item types the gateway does
+not know stay glued to the item before them. A request with
+`previous_response_id` or `conversation` has server-side state: it is
+measured, never evicted, and its results may answer calls the server holds.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ OUTPUTS = frozenset(
      "local_shell_call_output")
 )
 FIXED_ROLES = frozenset(("system", "developer"))
+REFERENCE = "item_reference"
 
 
 def item_type(it: dict[str, Any]) -> str | None:
@@ -54,7 +60,10 @@ def _text_of(it: dict[str, Any]) -> Any:
     return None
 
 
-def parse(items: list[Any], prefix: str, min_score: float) -> Conversation:
+def parse(items: list[Any], prefix: str, min_score: float,
+          server_state: bool = False) -> Conversation:
+    """`server_state`: the history continues one the server holds, so a result
+    whose call is in neither the list nor a reference answers a call held there."""
     fixed: list[int] = []
     groups: list[Group] = []
     chars: list[int] = []
@@ -62,7 +71,8 @@ def parse(items: list[Any], prefix: str, min_score: float) -> Conversation:
     has_meta = False
     turn = 0
     open_calls: dict[str, int] = {}
-    lead_in = False  # the last group holds only reasoning: it joins what follows
+    refs_from: int | None = None  # the group of this turn's first item reference
+    lead_in = False  # the last group holds only reasoning / references: it joins what follows
     for i, it in enumerate(items):
         if not isinstance(it, dict):
             raise Unplannable("message_not_object")
@@ -84,7 +94,7 @@ def parse(items: list[Any], prefix: str, min_score: float) -> Conversation:
                 continue
             if role == "user":
                 turn += 1
-                open_calls = {}
+                open_calls, refs_from = {}, None
                 groups.append(Group([i], turn, True))
             elif role == "assistant":
                 if lead_in:
@@ -110,16 +120,25 @@ def parse(items: list[Any], prefix: str, min_score: float) -> Conversation:
             cid = it.get("call_id")
             g = open_calls.get(cid) if isinstance(cid, str) else None
             if g is None:
+                g = refs_from
+            if g is None and not server_state:
                 raise Unplannable("unpaired_tool_result")
-            if g != len(groups) - 1:
-                merge_into(groups, g, open_calls)
-            groups[-1].indices.append(i)
+            if g is None:  # its call is held server-side: nothing here to keep it with
+                groups.append(Group([i], turn, False))
+            else:
+                if g != len(groups) - 1:
+                    merge_into(groups, g, open_calls)
+                    if refs_from is not None and refs_from > g:
+                        refs_from = g
+                groups[-1].indices.append(i)
             lead_in = False
-        elif t == "reasoning":
+        elif t in ("reasoning", REFERENCE):
             if lead_in:
                 groups[-1].indices.append(i)
             else:
                 groups.append(Group([i], turn, False))
+            if t == REFERENCE and refs_from is None:
+                refs_from = len(groups) - 1
             lead_in = True
         else:  # unknown item types stay with their neighbour
             if groups:
@@ -141,6 +160,8 @@ class OpenAIResponses(Wire):
     name = "openai_responses"
     flavor = "openai"
     items_key = "input"
+    stream_ends = (b"event: response.completed", b"event: response.failed",
+                   b"event: response.incomplete")
 
     def items(self, payload: dict[str, Any]) -> list[Any] | None:
         v = payload.get("input")
@@ -155,6 +176,10 @@ class OpenAIResponses(Wire):
 
     def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
         return parse(items, prefix, min_score)
+
+    def parse_continuation(self, items: list[Any], prefix: str, min_score: float
+                           ) -> Conversation:
+        return parse(items, prefix, min_score, server_state=True)
 
     def starts_turn(self, item: Any) -> bool:
         return (isinstance(item, dict) and item_type(item) == "message"
