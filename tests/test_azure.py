@@ -3,6 +3,8 @@ the plain `OpenAI` client on Azure's v1 API): measured, evicted, routed by confi
 
 from __future__ import annotations
 
+import hashlib
+
 from typing import Any
 
 import aiohttp
@@ -185,7 +187,8 @@ async def test_gateway_key_injected_as_api_key(
     monkeypatch.setenv("MEMGATE_TEST_AZURE_KEY", "azure-secret")
     ups = routes(azure, upstream)
     ups[0].update(api_key_env="MEMGATE_TEST_AZURE_KEY", api_key_header="api-key")
-    gw = await gateway(upstreams=ups)
+    allowed = hashlib.sha256(b"client-key").hexdigest()  # an injected key serves listed clients
+    gw = await gateway(upstreams=ups, tenants={"client_keys_sha256": [allowed]})
     client = openai.AsyncAzureOpenAI(azure_endpoint=gw.url, api_key="client-key",
                                      api_version="2024-10-21", max_retries=0,
                                      default_headers={"Authorization": "Bearer client-key"})
