@@ -4,7 +4,6 @@ the plain `OpenAI` client on Azure's v1 API): measured, evicted, routed by confi
 from __future__ import annotations
 
 import hashlib
-
 from typing import Any
 
 import aiohttp
