@@ -285,7 +285,8 @@ def _plan_into(
             marker_at = _end_of_stable_prefix(d.conv, d.plan)
             d.cache_marker_moved = marker_at is not None
         _forward(d, wire.build_body(raw, payload, list(d.plan.kept), marker_at, d.note,
-                                    current_turn_start(d.conv) if d.note else None))
+                                    current_turn_start(d.conv) if d.note else None,
+                                    d.conv.has_metadata))
     elif d.conv.has_metadata:
         # gateway metadata is ours: upstreams never see it, whatever the mode
         _forward(d, wire.build_body(raw, payload, list(range(len(items)))))

@@ -8,7 +8,7 @@ import orjson
 
 from ..conversation import META_KEY, Conversation
 from ..errors import ApiFlavor
-from ..jsonbytes import Edit, apply, cut, elements, members, ws
+from ..jsonbytes import Edit, Span, apply, cut, elements, members, ws
 from ..tokens import TokenCounter
 
 __all__ = ["META_KEY", "Wire", "json_text", "text_of"]
@@ -86,48 +86,49 @@ class Wire:
     def build_body(
         self, raw: bytes, payload: dict[str, Any], kept: list[int],
         marker_at: int | None = None, note: str | None = None, note_before: int | None = None,
+        metadata: bool = True,
     ) -> bytes | None:
         """The client's body `raw` (parsed: `payload`) with only the `kept` items (in
-        order), their gateway metadata cut out; `marker_at` (an index in kept) gets a
-        cache breakpoint moved onto it; `note` goes right before item `note_before`
-        (the current turn), after the stable prefix. Made from the client's bytes:
-        every other byte is the client's. None when the bytes cannot be read so (the
-        caller forwards them unchanged)."""
+        order), the gateway metadata cut out of them (`metadata`: any item may hold
+        some); `marker_at` (an index in kept) gets a cache breakpoint moved onto it;
+        `note` goes right before item `note_before` (the current turn), after the
+        stable prefix. Made from the client's bytes: every other byte is the client's.
+        None when the bytes cannot be read so (the caller forwards them unchanged)."""
         items = self.items(payload)
+        key = self.items_key
         try:
-            top = members(raw, ws(raw, 0), payload)
-            m = [m for m in top if m.name == self.items_key][-1]  # the one orjson read
-            if raw[m.value] == 0x5B:  # '['
-                return apply(raw, self._item_edits(raw, m.value, items, kept, marker_at,
-                                                   note, note_before))
+            top = members(raw, ws(raw, 0), payload, listed=key)
+            m = [m for m in top if m.name == key][-1]  # the one orjson read
+            if m.items is not None:
+                return apply(raw, self._item_edits(raw, m.items, items, kept, marker_at,
+                                                   note, note_before, metadata))
             listed = self.listed(raw[m.value : m.end])
             if listed is None:
                 return None
-            inner = apply(listed, self._item_edits(listed, 0, items, kept, marker_at, note,
-                                                   note_before))
-            return b"".join((raw[: m.value], inner, raw[m.end :]))
+            edits = self._item_edits(listed, elements(listed, 0, items), items, kept,
+                                     marker_at, note, note_before, metadata)
+            return b"".join((raw[: m.value], apply(listed, edits), raw[m.end :]))
         except (IndexError, ValueError):  # orjson's decode error included
             return None
 
     def _item_edits(
-        self, b: bytes, at: int, items: Any, kept: list[int], marker_at: int | None,
-        note: str | None, note_before: int | None,
+        self, b: bytes, spans: list[Span], items: Any, kept: list[int],
+        marker_at: int | None, note: str | None, note_before: int | None, metadata: bool,
     ) -> list[Edit]:
-        spans = elements(b, at, items)
         if len(spans) != len(items):
             raise ValueError("items differ from their bytes")
         edits = cut(spans, kept)
         if note is not None and note_before in kept:
             start = spans[note_before][0]
             edits.append((start, start, orjson.dumps(self.note_item(note)) + b","))
-        for i in kept:
+        for i in kept if metadata else ():
             item = items[i]
             if isinstance(item, dict) and META_KEY in item:
                 ms = members(b, spans[i][0])
                 edits += cut([(x.start, x.end) for x in ms],
                              [k for k, x in enumerate(ms) if x.name != META_KEY])
-            if i == marker_at:
-                edits += self.cache_marker_edits(b, spans[i][0], item)
+        if marker_at is not None:
+            edits += self.cache_marker_edits(b, spans[marker_at][0], items[marker_at])
         return edits
 
 
