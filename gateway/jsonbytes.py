@@ -10,7 +10,8 @@ finds where each value ends. Its fast path: a value whose orjson serialisation
 is found at its position ends there, because objects, arrays and strings are
 prefix-free; that is what compact writers send (the openai and anthropic SDKs,
 JSON.stringify, orjson), a whole list of them checked with one comparison. Any
-other spelling is walked string by string and bracket by bracket.
+other spelling is matched by a regex that knows nesting up to a fixed depth
+(in C), and what is nested deeper is walked string by string, bracket by bracket.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ def _nested(depth: int) -> re.Pattern[bytes]:
 
 
 _CONTAINER = _nested(8)
-_MISSES = 8  # elements in a row not spelled as orjson would: stop trying the fast path
 
 Span = tuple[int, int]
 Edit = tuple[int, int, bytes]  # b[start:end] becomes these bytes
@@ -173,28 +173,29 @@ def members(b: bytes, i: int, values: dict[str, Any] | None = None,
 
 def elements(b: bytes, i: int, values: Sequence[Any] | None = None) -> list[Span]:
     """The spans of the elements of the array at b[i]; `values` (its parse) as for
-    `members`: a list written compactly as a whole is found by one comparison, then
-    each element that is (until a few in a row are not: another writer)."""
+    `members`: a list written compactly as a whole is found by one comparison, and
+    otherwise each element that is."""
     if b[i] != 0x5B:
         raise ValueError("not an array")
-    if values is not None:
-        whole = _dumped(values)
-        if whole is not None and b.startswith(whole, i):
-            lens = list(map(len, map(orjson.dumps, values)))
-            starts = list(accumulate(map(add, lens, repeat(1)), initial=i + 1))
-            return list(zip(starts, map(add, starts, lens)))
     j = ws(b, i + 1)
     if b[j] == 0x5D:
         return []
+    spelled: Sequence[bytes | None] = ()
+    if values is not None:
+        try:
+            whole = list(map(orjson.dumps, values))
+        except orjson.JSONEncodeError:  # one is nested too deep: each on its own
+            spelled = list(map(_dumped, values))
+        else:
+            joined = b",".join(whole)  # then a ']': the last one's end, a number's too
+            if b.startswith(joined, j) and b[ws(b, j + len(joined))] == 0x5D:
+                lens = list(map(len, whole))
+                starts = list(accumulate(map(add, lens, repeat(1)), initial=j))
+                return list(zip(starts, map(add, starts, lens)))
+            spelled = [s if type(v) in _PREFIX_FREE else None for s, v in zip(whole, values)]
     out: list[Span] = []
-    known = values if values is not None else ()
-    misses = 0
     while True:
-        spelled = None
-        if misses < _MISSES and len(out) < len(known):
-            spelled = _dumped(known[len(out)])
-        e = _end(b, j, spelled)
-        misses = 0 if spelled is not None and e - j == len(spelled) else misses + 1
+        e = _end(b, j, spelled[len(out)] if len(out) < len(spelled) else None)
         out.append((j, e))
         j = ws(b, e)
         if b[j] == 0x5D:

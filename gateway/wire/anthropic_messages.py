@@ -171,7 +171,7 @@ class AnthropicMessages(Wire):
     def cache_marker_edits(self, b: bytes, at: int, item: Any) -> list[Edit]:
         # only the marked block's bytes change: a string content becomes one text block
         # around the client's string bytes, a block gets the key added (or its value set)
-        content = item.get("content")
+        content = item.get("content") if isinstance(item, dict) else None
         if not isinstance(content, (str, list)):
             return []
         c = [m for m in members(b, at) if m.name == "content"][-1]

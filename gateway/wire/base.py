@@ -95,6 +95,8 @@ class Wire:
         stable prefix. Made from the client's bytes: every other byte is the client's.
         None when the bytes cannot be read so (the caller forwards them unchanged)."""
         items = self.items(payload)
+        if items is None:
+            return None
         key = self.items_key
         try:
             top = members(raw, ws(raw, 0), payload, listed=key)
