@@ -14,6 +14,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import orjson
+
 from .carry import Fold, Snapshot, render_note
 from .carry.snapshot import DEFAULT_NOTE, CarryRules
 from .conversation import Conversation, Unplannable
@@ -207,6 +209,22 @@ def decide(
     if payload is None:
         d.skip_reason = "invalid_json"
         return d
+    try:
+        return _plan_into(d, rules, wire, recalled, history, key)
+    except orjson.JSONEncodeError:
+        # nested deeper than orjson writes (255..1024 levels): counting cannot read it,
+        # the client's bytes go as they came
+        return Decision(raw=raw, payload=payload, wire=wire, mode=d.mode, model=model,
+                        counter=counter, forward=raw, token_factor=d.token_factor,
+                        skip_reason="nested_too_deep", _items=[], _overhead=0)
+
+
+def _plan_into(
+    d: Decision, rules: Rules, wire: Wire, recalled: list[str] | None,
+    history: HistoryCache | None, key: tuple[str, str] | None,
+) -> Decision:
+    """`decide` once the body is known to be JSON: parse, plan, build the forward."""
+    raw, payload, model = d.raw, d.payload, d.model
     if not isinstance(payload, dict):
         d.skip_reason = "not_an_object"
         return d
@@ -271,12 +289,24 @@ def decide(
         if d.cache_marker_dropped and rules.memory.eviction.move_cache_marker:
             marker_at = _end_of_stable_prefix(d.conv, d.plan)
             d.cache_marker_moved = marker_at is not None
-        d.forward = wire.build_body(payload, list(d.plan.kept), marker_at, d.note,
-                                    current_turn_start(d.conv) if d.note else None)
+        _forward(d, wire.build_body(raw, payload, list(d.plan.kept), marker_at, d.note,
+                                    current_turn_start(d.conv) if d.note else None,
+                                    d.conv.has_metadata))
     elif d.conv.has_metadata:
         # gateway metadata is ours: upstreams never see it, whatever the mode
-        d.forward = wire.build_body(payload, list(range(len(items))))
+        _forward(d, wire.build_body(raw, payload, list(range(len(items)))))
     return d
+
+
+def _forward(d: Decision, body: bytes | None) -> None:
+    """Forward the rewritten body; a body that could not be read to rewrite it (valid
+    JSON always can) goes unchanged, logged evict=skipped, nothing dropped or carried."""
+    if body is not None:
+        d.forward = body
+        return
+    d.skip_reason = "unscannable"
+    d.plan, d.note, d.snapshot = None, None, None
+    d.cache_marker_dropped = d.cache_marker_moved = False
 
 
 def _reuse_tokens(d: Decision) -> None:

@@ -71,7 +71,10 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
-    return "" if content is None else orjson.dumps(content).decode()
+    try:
+        return "" if content is None else orjson.dumps(content).decode()
+    except orjson.JSONEncodeError:  # nested too deep to write: such requests are skipped
+        return ""
 
 
 def _admit(rules: Rules, up: Upstream, request: web.Request) -> None:

@@ -25,9 +25,8 @@ from typing import Any
 
 import orjson
 
-_NEXT = re.compile(rb'["\[\]{}]')  # a string or a bracket: what nesting depends on
-_WS = re.compile(rb"[ \t\n\r]*")
-_SCALAR = re.compile(rb"[^,\]} \t\n\r]+")
+from .jsonbytes import skip_items, string_end, value_end, ws
+
 _ASCII_ESCAPE = re.compile(rb"\\u00[2-7]")  # \u00XX spelling a printable ASCII character
 
 
@@ -63,81 +62,27 @@ def unmarked_from(b: bytes, rec: Splice) -> int:
     return max(0, len(rec.prefix) - _OVERLAP)
 
 
-def _string_end(b: bytes, i: int) -> int:
-    """b[i] is an opening quote: the index after the closing one."""
-    j = i + 1
-    while True:
-        j = b.index(b'"', j)
-        k = j - 1
-        while b[k] == 0x5C:  # backslashes before the quote: an odd run escapes it
-            k -= 1
-        if (j - 1 - k) % 2 == 0:
-            return j + 1
-        j += 1
-
-
-def _value_end(b: bytes, i: int) -> int:
-    """The index after the JSON value starting at b[i] (the body is valid JSON)."""
-    c = b[i]
-    if c == 0x22:
-        return _string_end(b, i)
-    if c in (0x7B, 0x5B):
-        depth, j = 0, i
-        while True:
-            m = _NEXT.search(b, j)
-            if m is None:
-                raise ValueError("unterminated value")
-            p = m.start()
-            c = b[p]
-            if c == 0x22:
-                j = _string_end(b, p)
-                continue
-            depth += 1 if c in (0x7B, 0x5B) else -1
-            j = p + 1
-            if depth == 0:
-                return j
-    m = _SCALAR.match(b, i)
-    if m is None:
-        raise ValueError("no value")
-    return m.end()
-
-
-def _ws(b: bytes, i: int) -> int:
-    return _WS.match(b, i).end()  # type: ignore[union-attr]
-
-
-def skip_items(b: bytes, off: int, n: int) -> int | None:
-    """From the start of an item of a list, the start of the item `n` further on
-    (None if the list ends first)."""
-    for _ in range(n):
-        off = _ws(b, _value_end(b, off))
-        if b[off] != 0x2C:  # ',' - anything else: the list ended
-            return None
-        off = _ws(b, off + 1)
-    return None if b[off] == 0x5D else off
-
-
 def locate(b: bytes, key: str, n: int) -> tuple[int, tuple[str, ...]] | None:
     """(offset of item n of the top-level list `key`, the keys before that list), or None
     when the body does not have that shape (not an object, the key twice before it, a
     shorter list)."""
     try:
-        i = _ws(b, 0)
+        i = ws(b, 0)
         if b[i] != 0x7B:
             return None
-        i = _ws(b, i + 1)
+        i = ws(b, i + 1)
         before: list[str] = []
         while b[i] == 0x22:
-            end = _string_end(b, i)
+            end = string_end(b, i)
             name = orjson.loads(b[i:end])
-            i = _ws(b, end)
+            i = ws(b, end)
             if b[i] != 0x3A:  # ':'
                 return None
-            i = _ws(b, i + 1)
+            i = ws(b, i + 1)
             if name == key:
                 if b[i] != 0x5B:
                     return None
-                first = _ws(b, i + 1)
+                first = ws(b, i + 1)
                 if b[first] == 0x5D:
                     return None
                 off = skip_items(b, first, n)
@@ -145,10 +90,10 @@ def locate(b: bytes, key: str, n: int) -> tuple[int, tuple[str, ...]] | None:
             if name in before:
                 return None
             before.append(name)
-            i = _ws(b, _value_end(b, i))
+            i = ws(b, value_end(b, i))
             if b[i] != 0x2C:
                 return None
-            i = _ws(b, i + 1)
+            i = ws(b, i + 1)
     except (IndexError, ValueError, orjson.JSONDecodeError):
         return None
     return None
@@ -169,7 +114,10 @@ def _at_last_item(b: bytes, key: str, payload: dict[str, Any]) -> Splice | None:
     item's bytes from the end, and keep the offset only if the body from there parses
     as exactly that item and the keys after the list."""
     items = payload[key]
-    off = b.rfind(orjson.dumps(items[-1]))
+    try:
+        off = b.rfind(orjson.dumps(items[-1]))
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes: found by the scanner
+        return None
     if off <= 0:
         return None
     names = list(payload)

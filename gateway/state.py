@@ -10,6 +10,7 @@ alone — it lets the [mem] line say whether the forwarded prefix stayed the sam
 from __future__ import annotations
 
 import hashlib
+import marshal
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +36,11 @@ class SessionRecord:
 
 def fingerprint(message: Any) -> bytes:
     """A stable fingerprint of one message (same on every replica)."""
-    return hashlib.blake2b(orjson.dumps(message), digest_size=8).digest()
+    try:
+        data = orjson.dumps(message)
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes (255..1024 levels)
+        data = marshal.dumps(message, 2)  # version 2: no refs, the same bytes everywhere
+    return hashlib.blake2b(data, digest_size=8).digest()
 
 
 class SessionStore(Generic[T]):

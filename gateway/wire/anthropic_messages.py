@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from ..conversation import (
     Conversation,
     Group,
@@ -21,6 +23,7 @@ from ..conversation import (
     first_text,
     message_pin,
 )
+from ..jsonbytes import Edit, elements, members
 from ..tokens import PER_MEDIA_PART, PER_MESSAGE, REPLY_PRIMING, TokenCounter
 from .base import Wire, json_text
 
@@ -117,6 +120,7 @@ def content_tokens(content: Any, counter: TokenCounter) -> int:
 
 UNMARKABLE = frozenset(("thinking", "redacted_thinking"))
 EPHEMERAL = {"type": "ephemeral"}
+_EPHEMERAL = orjson.dumps(EPHEMERAL)
 
 
 class AnthropicMessages(Wire):
@@ -165,18 +169,28 @@ class AnthropicMessages(Wire):
             "cache_control" in b for b in _blocks(item.get("content"))
         )
 
-    def with_cache_marker(self, item: Any) -> Any:
-        content = item.get("content")
+    def cache_marker_edits(self, b: bytes, at: int, item: Any) -> list[Edit]:
+        # only the marked block's bytes change: a string content becomes one text block
+        # around the client's string bytes, a block gets the key added (or its value set)
+        content = item.get("content") if isinstance(item, dict) else None
+        if not isinstance(content, (str, list)):
+            return []
+        c = [m for m in members(b, at) if m.name == "content"][-1]
         if isinstance(content, str):
-            blocks = [{"type": "text", "text": content, "cache_control": EPHEMERAL}]
-            return {**item, "content": blocks}
-        blocks = list(content) if isinstance(content, list) else []
-        for j in range(len(blocks) - 1, -1, -1):
-            b = blocks[j]
-            if isinstance(b, dict) and b.get("type") not in UNMARKABLE:
-                blocks[j] = {**b, "cache_control": EPHEMERAL}
-                return {**item, "content": blocks}
-        return item
+            return [(c.value, c.end, b"".join((b'[{"type":"text","text":', b[c.value:c.end],
+                                                b',"cache_control":', _EPHEMERAL, b"}]")))]
+        for j in range(len(content) - 1, -1, -1):
+            block = content[j]
+            if isinstance(block, dict) and block.get("type") not in UNMARKABLE:
+                start = elements(b, c.value, content)[j][0]
+                fields = members(b, start, block)
+                marks = [m for m in fields if m.name == "cache_control"]
+                if marks:
+                    return [(marks[-1].value, marks[-1].end, _EPHEMERAL)]
+                if fields:
+                    return [(fields[-1].end, fields[-1].end, b',"cache_control":' + _EPHEMERAL)]
+                return [(start + 1, start + 1, b'"cache_control":' + _EPHEMERAL)]
+        return []
 
 
 ANTHROPIC_MESSAGES = AnthropicMessages()

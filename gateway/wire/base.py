@@ -8,6 +8,7 @@ import orjson
 
 from ..conversation import META_KEY, Conversation
 from ..errors import ApiFlavor
+from ..jsonbytes import Edit, Span, apply, cut, elements, members, ws
 from ..tokens import TokenCounter
 
 __all__ = ["META_KEY", "Wire", "json_text", "text_of"]
@@ -81,29 +82,65 @@ class Wire:
         """Does this item carry a provider prompt-cache breakpoint (`cache_control`)?"""
         return False
 
-    def with_cache_marker(self, item: Any) -> Any:
-        """A copy of `item` with a cache breakpoint on its last markable block."""
-        return item
+    def cache_marker_edits(self, b: bytes, at: int, item: Any) -> list[Edit]:
+        """The edits that put a cache breakpoint on the last markable block of `item`,
+        whose bytes start at b[at] (none: nothing to mark)."""
+        return []
+
+    def listed(self, value: bytes) -> bytes | None:
+        """When `items()` makes its list out of a value that is not one (a Responses
+        `input` string): that list's bytes, from the value's (None: not a list here)."""
+        return None
 
     def build_body(
-        self, payload: dict[str, Any], kept: list[int], marker_at: int | None = None,
-        note: str | None = None, note_before: int | None = None,
-    ) -> bytes:
-        """The original body with only `kept` items, gateway metadata stripped;
-        `marker_at` (an index in kept) gets a cache breakpoint moved onto it; `note`
-        goes right before item `note_before` (the current turn), after the stable prefix."""
-        items = payload[self.items_key]
-        out = []
-        for i in kept:
-            if note is not None and i == note_before:
-                out.append(self.note_item(note))
-            m = items[i]
-            if isinstance(m, dict) and META_KEY in m:
-                m = {k: v for k, v in m.items() if k != META_KEY}
-            if i == marker_at:
-                m = self.with_cache_marker(m)
-            out.append(m)
-        return orjson.dumps({**payload, self.items_key: out})
+        self, raw: bytes, payload: dict[str, Any], kept: list[int],
+        marker_at: int | None = None, note: str | None = None, note_before: int | None = None,
+        metadata: bool = True,
+    ) -> bytes | None:
+        """The client's body `raw` (parsed: `payload`) with only the `kept` items (in
+        order), the gateway metadata cut out of them (`metadata`: any item may hold
+        some); `marker_at` (an index in kept) gets a cache breakpoint moved onto it;
+        `note` goes right before item `note_before` (the current turn), after the
+        stable prefix. Made from the client's bytes: every other byte is the client's.
+        None when the bytes cannot be read so (the caller forwards them unchanged)."""
+        items = self.items(payload)
+        if items is None:
+            return None
+        key = self.items_key
+        try:
+            top = members(raw, ws(raw, 0), payload, listed=key)
+            m = [m for m in top if m.name == key][-1]  # the one orjson read
+            if m.items is not None:
+                return apply(raw, self._item_edits(raw, m.items, items, kept, marker_at,
+                                                   note, note_before, metadata))
+            listed = self.listed(raw[m.value : m.end])
+            if listed is None:
+                return None
+            edits = self._item_edits(listed, elements(listed, 0, items), items, kept,
+                                     marker_at, note, note_before, metadata)
+            return b"".join((raw[: m.value], apply(listed, edits), raw[m.end :]))
+        except (IndexError, ValueError):  # orjson's decode error included
+            return None
+
+    def _item_edits(
+        self, b: bytes, spans: list[Span], items: Any, kept: list[int],
+        marker_at: int | None, note: str | None, note_before: int | None, metadata: bool,
+    ) -> list[Edit]:
+        if len(spans) != len(items):
+            raise ValueError("items differ from their bytes")
+        edits = cut(spans, kept)
+        if note is not None and note_before in kept:
+            start = spans[note_before][0]
+            edits.append((start, start, orjson.dumps(self.note_item(note)) + b","))
+        for i in kept if metadata else ():
+            item = items[i]
+            if isinstance(item, dict) and META_KEY in item:
+                ms = members(b, spans[i][0])
+                edits += cut([(x.start, x.end) for x in ms],
+                             [k for k, x in enumerate(ms) if x.name != META_KEY])
+        if marker_at is not None:
+            edits += self.cache_marker_edits(b, spans[marker_at][0], items[marker_at])
+        return edits
 
 
 def text_of(content: Any) -> str:

@@ -37,7 +37,8 @@ OUTPUTS = frozenset(
     ("function_call_output", "custom_tool_call_output", "computer_call_output",
      "local_shell_call_output")
 )
-FIXED_ROLES = frozenset(("system", "developer"))
+# a tuple, not a set: a role that is an object (unhashable) is simply none of them
+FIXED_ROLES = ("system", "developer")
 REFERENCE = "item_reference"
 
 
@@ -198,6 +199,10 @@ class OpenAIResponses(Wire):
 
     def note_item(self, note: str) -> dict[str, Any]:
         return {"type": "message", "role": "developer", "content": note}
+
+    def listed(self, value: bytes) -> bytes | None:
+        # `input` as a string is one user message: the list `items()` reads it as
+        return b'[{"role":"user","content":' + value + b"}]" if value[:1] == b'"' else None
 
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
         n = PER_MESSAGE + 1 + content_tokens(_text_of(item), counter)
