@@ -300,6 +300,13 @@ def split_items(raw: bytes, key: str, sent: list[bytes]) -> list[bytes]:
     return out
 
 
+async def post_raw(url: str, raw: bytes) -> None:
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer sk-compat",
+               "x-api-key": "sk-compat", "anthropic-version": "2023-06-01"}
+    async with aiohttp.ClientSession() as s, s.post(url, data=raw, headers=headers) as r:
+        assert r.status == 200, await r.text()
+
+
 BUDGET = {"max_tokens": 2500, "max_chars": 24000, "max_messages": None, "max_turns": None}
 
 
@@ -312,11 +319,7 @@ async def test_eviction_off_forwards_the_clients_bytes(
     top, items, _ = build()
     raw, _ = body_bytes(top, key, items)
     gw = await gateway(memory={"enable_eviction": False, "shadow": True, "budget": BUDGET})
-    async with aiohttp.ClientSession() as s:
-        async with s.post(gw.url + route, data=raw, headers={
-                "Content-Type": "application/json", "Authorization": "Bearer sk-compat",
-                "x-api-key": "sk-compat", "anthropic-version": "2023-06-01"}) as r:
-            assert r.status == 200, await r.text()
+    await post_raw(gw.url + route, raw)
     assert upstream.received[-1]["raw"] == raw
     ev = (await gw.wait_mem(1))[-1]
     assert ev["mode"] == "shadow"
@@ -332,11 +335,7 @@ async def test_eviction_on_keeps_valid_byte_identical_history(
     top, items, ref = build()
     raw, sent = body_bytes(top, key, items)
     gw = await gateway(memory={"enable_eviction": True, "budget": BUDGET})
-    async with aiohttp.ClientSession() as s:
-        async with s.post(gw.url + route, data=raw, headers={
-                "Content-Type": "application/json", "Authorization": "Bearer sk-compat",
-                "x-api-key": "sk-compat", "anthropic-version": "2023-06-01"}) as r:
-            assert r.status == 200, await r.text()
+    await post_raw(gw.url + route, raw)
     got = upstream.received[-1]["raw"]
     kept = split_items(got, key, sent)
     assert ordered_subsequence(kept, sent)
