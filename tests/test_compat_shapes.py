@@ -341,7 +341,6 @@ async def test_eviction_on_keeps_valid_byte_identical_history(
     assert ordered_subsequence(kept, sent)
     assert kept[-1] == sent[-1]  # the current turn
     check_valid(route, json.loads(got)[key])
-    assert str(BIG).encode() in got or str(BIG) not in raw.decode()
     ev = (await gw.wait_mem(1))[-1]
     assert ev.get("over_budget") != "true", ev
     assert int(ev["dropped"]) > 0, ev  # the budget forced a cut: the assembly was exercised
