@@ -170,7 +170,8 @@ def intercept(wire: Wire) -> Handler:
                 # measured while the upstream answers: the loop would wait for it otherwise
                 measuring = asyncio.ensure_future(
                     _measure(state, request, tenant, session, wire, d, rid))
-                return await relay(request, state.pool, up, d.forward, info)
+                return await relay(request, state.pool, up, d.forward, info,
+                                   original=_fallback_body(rules, d))
             except GatewayError as err:
                 info.status = err.status
                 if not overhead_ms:
@@ -204,6 +205,14 @@ def intercept(wire: Wire) -> Handler:
                 await asyncio.shield(task)
 
     return handle
+
+
+def _fallback_body(rules: Rules, d: Decision) -> bytes | None:
+    """The client's bytes to resend if the upstream refuses the changed body (None: the
+    body goes unchanged, or memory.fallback_original is off)."""
+    if not rules.memory.fallback_original or d.forward == d.raw:  # the same object: not read
+        return None
+    return d.raw
 
 
 def _unchangeable(state: GatewayState, rules: Rules, wire: Wire, raw: bytes) -> bool:
@@ -358,6 +367,8 @@ def _log_mem(
     }
     if info.stream != "complete":
         fields["stream"] = info.stream
+    if info.first_status:
+        fields.update(fallback="original", first_status=info.first_status)
     state.log.info("mem", **fields)
     if d is not None:
         state.capture.offer(state.rules.capture, rid, capture_record(

@@ -52,6 +52,10 @@ class Eviction:
 class Markers:
     system_prefix: str = "[PIN]"
     min_score: float = 0.7
+    # malformed `memgate` metadata with eviction on: ignore it (the message is pinned by
+    # nothing but its text prefix; logged metadata=invalid) or refuse the request (400).
+    # With eviction off or in shadow it is always ignored: the kill switch never rejects.
+    on_bad_metadata: Literal["reject", "ignore"] = "ignore"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,9 @@ class Memory:
     markers: Markers = field(default_factory=Markers)
     carry: CarryRules = field(default_factory=lambda: CarryRules(enabled=False))
     carry_patterns: CarryPatterns | None = None
+    # a body the gateway changed (evicted, note added, metadata cut) that the upstream
+    # refuses as invalid is resent as the client sent it
+    fallback_original: bool = True
 
     @property
     def mode(self) -> Literal["off", "shadow", "on"]:
@@ -362,7 +369,8 @@ def _parse_carry(
 
 def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | None]:
     m = r.section(data, "memory",
-                  {"enable_eviction", "shadow", "budget", "eviction", "markers", "carry"})
+                  {"enable_eviction", "shadow", "budget", "eviction", "markers", "carry",
+                   "fallback_original"})
     b = r.section(
         m.get("budget"),
         "memory.budget",
@@ -402,11 +410,14 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | 
             e, "memory.eviction", "move_cache_marker", _bool, de.move_cache_marker
         ),
     )
-    k = r.section(m.get("markers"), "memory.markers", {"system_prefix", "min_score"})
+    k = r.section(m.get("markers"), "memory.markers",
+                  {"system_prefix", "min_score", "on_bad_metadata"})
     dk = Markers()
     markers = Markers(
         system_prefix=r.get(k, "memory.markers", "system_prefix", _str(), dk.system_prefix),
         min_score=r.get(k, "memory.markers", "min_score", _float(0.0, 1.0), dk.min_score),
+        on_bad_metadata=r.get(k, "memory.markers", "on_bad_metadata",
+                              _str(("reject", "ignore")), dk.on_bad_metadata),
     )
     carry, patterns, carry_path = _parse_carry(r, m.get("carry"), base_dir)
     return Memory(
@@ -417,6 +428,7 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | 
         markers=markers,
         carry=carry,
         carry_patterns=patterns,
+        fallback_original=r.get(m, "memory", "fallback_original", _bool, True),
     ), carry_path
 
 
