@@ -122,6 +122,8 @@ def mem_fields(
                  would_drop=len(p.dropped))
         if p.dropped:
             f["would_evict"] = p.evict
+    if d.bad_metadata is not None:
+        f.update(metadata="invalid", metadata_reason=d.bad_metadata)
     if p is not None:
         if p.over_budget:
             f["over_budget"] = True

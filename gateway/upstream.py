@@ -215,7 +215,7 @@ async def resend_original(
             refused.method, refused.url, data=original, headers=headers, timeout=_timeout(up),
             allow_redirects=False, proxy=up.proxy,
         )
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         raise map_transport_error(exc, up) from None
 
 
@@ -230,6 +230,6 @@ async def _discard(resp: aiohttp.ClientResponse) -> None:
                 resp.release()
                 return
             got += len(chunk)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+    except (TimeoutError, aiohttp.ClientError, OSError):
         pass
     resp.close()
