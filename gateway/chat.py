@@ -18,7 +18,7 @@ import orjson
 
 from .carry import Fold, Snapshot, render_note
 from .carry.snapshot import DEFAULT_NOTE, CarryRules
-from .conversation import Conversation, Unplannable
+from .conversation import META_KEY, BadMetadata, Conversation, Unplannable, read_metadata
 from .errors import BadRequest, OverBudget
 from .history import HistoryCache, View
 from .policy import Limits, Plan, PlanRules, plan
@@ -27,6 +27,9 @@ from .splice import Splice
 from .tokens import TokenCounter, Tokenizers
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
+
+# the most of a malformed-metadata reason logged or answered (it can quote a client's key)
+REASON_CHARS = 200
 
 
 @dataclass(slots=True)
@@ -53,6 +56,7 @@ class Decision:
     view: View | None = None  # what the session's history cache gave this request
     _msg_tokens: list[int] | None = None  # per message, -1 = not counted yet
     spliced_from: Splice | None = None  # the session's earlier body this one was parsed from
+    bad_metadata: str | None = None  # why a memgate block was ignored (logged metadata=invalid)
 
     @property
     def messages(self) -> list[Any]:
@@ -250,8 +254,20 @@ def _plan_into(
     except Unplannable as exc:
         d.skip_reason = exc.reason
         return d
-    except ValueError as exc:  # BadMetadata
-        raise BadRequest(str(exc)) from None
+    except BadMetadata as exc:
+        # only eviction on may refuse a request, and only if told to: the kill switch
+        # never breaks a call
+        reason = str(exc)[:REASON_CHARS]
+        if d.mode == "on" and markers.on_bad_metadata == "reject":
+            raise BadRequest(reason) from None
+        d.bad_metadata = reason
+        try:
+            d.conv = wire.parse(_without_bad_metadata(items), markers.system_prefix,
+                                markers.min_score)
+        except Unplannable as unplannable:
+            d.skip_reason = unplannable.reason
+            return d
+        d.conv.has_metadata = True  # the bad blocks are cut out of the forward too
     d.conv.outside_chars = wire.fixed_chars(payload)
     if d.mode != "off" and d.skip_reason is None:
         prules = plan_rules(rules, d.budget_tokens)
@@ -296,6 +312,19 @@ def _plan_into(
         # gateway metadata is ours: upstreams never see it, whatever the mode
         _forward(d, wire.build_body(raw, payload, list(range(len(items)))))
     return d
+
+
+def _without_bad_metadata(items: list[Any]) -> list[Any]:
+    """The items with each malformed memgate block left out (the message is then pinned
+    by its text prefix alone); the body forwarded is still made from `items`."""
+    out = list(items)
+    for i, m in enumerate(items):
+        if isinstance(m, dict) and META_KEY in m:
+            try:
+                read_metadata(m[META_KEY], "")
+            except BadMetadata:
+                out[i] = {k: v for k, v in m.items() if k != META_KEY}
+    return out
 
 
 def _forward(d: Decision, body: bytes | None) -> None:

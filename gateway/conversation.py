@@ -31,7 +31,8 @@ class Unplannable(Exception):
 
 
 class BadMetadata(ValueError):
-    """Gateway metadata on a message is malformed: a 400 for the client."""
+    """Gateway metadata on a message is malformed: ignored and logged, or a 400 for the
+    client with eviction on and `memory.markers.on_bad_metadata: reject`."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -132,6 +132,8 @@ def mem_fields(
                  would_drop=len(p.dropped))
         if p.dropped:
             f["would_evict"] = p.evict
+    if d.bad_metadata is not None:
+        f.update(metadata="invalid", metadata_reason=d.bad_metadata)
     if p is not None:
         if p.over_budget:
             f["over_budget"] = True
@@ -198,7 +200,8 @@ def intercept(wire: Wire) -> Handler:
                     _measure(state, request, tenant, session, wire, d, rid, recall_failed))
                 return await relay(request, state.pool, up, d.forward, info,
                                    credential_headers=rules.tenants.credential_headers,
-                                   stream_ends=wire.stream_ends)
+                                   stream_ends=wire.stream_ends,
+                                   original=_fallback_body(rules, d))
             except GatewayError as err:
                 info.status = err.status
                 if not overhead_ms:
@@ -235,6 +238,14 @@ def intercept(wire: Wire) -> Handler:
                 # answer is complete already, the [mem] line follows within the timeouts
 
     return handle
+
+
+def _fallback_body(rules: Rules, d: Decision) -> bytes | None:
+    """The client's bytes to resend if the upstream refuses the changed body (None: the
+    body goes unchanged, or memory.fallback_original is off)."""
+    if not rules.memory.fallback_original or d.forward == d.raw:  # the same object: not read
+        return None
+    return d.raw
 
 
 def _unchangeable(state: GatewayState, rules: Rules, wire: Wire, raw: bytes) -> bool:
@@ -398,6 +409,8 @@ def _log_mem(
     }
     if info.stream != "complete":
         fields["stream"] = info.stream
+    if info.first_status:
+        fields.update(fallback="original", first_status=info.first_status)
     state.log.info("mem", **fields)
     if d is not None:
         state.capture.offer(state.rules.capture, rid, capture_record(

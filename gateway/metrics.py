@@ -57,6 +57,10 @@ class Metrics:
                                registry=r)
         self.bytes_relayed = Counter("memgate_relayed_bytes_total",
                                      "Response bytes relayed to clients", ["route"], registry=r)
+        self.fallback = Counter("memgate_fallback_total",
+                                "Changed bodies the upstream refused, resent as the client "
+                                "sent them, by route and the refusal's status",
+                                ["route", "status"], registry=r)
         # labelled children by route / (route, mode, status): bounded like the labels
         self._routes: dict[str, _Route] = {}
         self._requests: dict[tuple[str, str, int], Any] = {}
@@ -93,6 +97,8 @@ class Metrics:
         if info.status:
             r.upstream.observe(info.upstream_ms / 1000)
         r.bytes_relayed.inc(info.bytes_out)
+        if info.first_status:  # statuses: REFUSALS only
+            self.fallback.labels(route, str(info.first_status)).inc()
         if d is None:
             return
         if d.skip_reason is not None:

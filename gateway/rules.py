@@ -53,6 +53,10 @@ class Eviction:
 class Markers:
     system_prefix: str = "[PIN]"
     min_score: float = 0.7
+    # malformed `memgate` metadata with eviction on: ignore it (the message is pinned by
+    # nothing but its text prefix; logged metadata=invalid) or refuse the request (400).
+    # With eviction off or in shadow it is always ignored: the kill switch never rejects.
+    on_bad_metadata: Literal["reject", "ignore"] = "ignore"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,9 @@ class Memory:
     markers: Markers = field(default_factory=Markers)
     carry: CarryRules = field(default_factory=lambda: CarryRules(enabled=False))
     carry_patterns: CarryPatterns | None = None
+    # a body the gateway changed (evicted, note added, metadata cut) that the upstream
+    # refuses as invalid is resent as the client sent it
+    fallback_original: bool = True
 
     @property
     def mode(self) -> Literal["off", "shadow", "on"]:
@@ -234,12 +241,12 @@ SECTIONS: dict[str, frozenset[str]] = {
     "": frozenset({"memory", "upstreams", "listen", "logging", "limits", "session", "tokens",
                    "capture", "store", "state", "tenants"}),
     "memory": frozenset({"enable_eviction", "shadow", "budget", "eviction", "markers", "carry",
-                         "write"}),
+                         "write", "fallback_original"}),
     "memory.budget": frozenset({"max_tokens", "max_chars", "max_messages", "max_turns",
                                 "safety_ratio", "reserve_output_tokens"}),
     "memory.eviction": frozenset({"order", "keep_pinned", "max_pinned", "drop_unit",
                                   "on_over_budget", "low_water", "move_cache_marker"}),
-    "memory.markers": frozenset({"system_prefix", "min_score"}),
+    "memory.markers": frozenset({"system_prefix", "min_score", "on_bad_metadata"}),
     "memory.carry": frozenset({"enabled", "keep_fields", "drop_when", "ref_ttl_turns",
                                "log_skipped", "rules_file", "max_note_chars"}),
     "memory.carry.drop_when": frozenset({"task_closed", "no_pending_reference",
@@ -486,6 +493,8 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | 
     markers = Markers(
         system_prefix=r.get(k, "memory.markers", "system_prefix", _str(), dk.system_prefix),
         min_score=r.get(k, "memory.markers", "min_score", _float(0.0, 1.0), dk.min_score),
+        on_bad_metadata=r.get(k, "memory.markers", "on_bad_metadata",
+                              _str(("reject", "ignore")), dk.on_bad_metadata),
     )
     # memory.write is the seed's name (000) for memory.carry: one section, two spellings
     carry_key = "memory.carry"
@@ -505,6 +514,7 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | 
         markers=markers,
         carry=carry,
         carry_patterns=patterns,
+        fallback_original=r.get(m, "memory", "fallback_original", _bool, True),
     ), carry_path
 
 

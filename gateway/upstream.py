@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,6 +30,11 @@ HOP_BY_HOP = frozenset(
 )
 # the gateway's own request headers: consumed here, never sent upstream
 GATEWAY_HEADERS = frozenset(("x-memgate-admin-token",))
+# an upstream's refusals of a body as invalid: the answers a body the gateway changed is
+# resent for, as the client sent it (a 401, 429 or 5xx is not about the body)
+REFUSALS = frozenset((400, 413, 422))
+# the most of a refused answer read (and dropped) to keep its connection for reuse
+DISCARD_BYTES = 65_536
 
 
 @dataclass(slots=True)
@@ -41,6 +46,7 @@ class Relayed:
     bytes_out: int = 0
     stream: str = "complete"  # complete | upstream_aborted | client_gone
     ended: bool = False  # the upstream's terminal event was relayed to the client
+    first_status: int = 0  # the refusal of the changed body, when the original was resent
 
     def client_left(self) -> None:
         """The client hung up: a stream it was sent to its terminal event is complete
@@ -170,9 +176,12 @@ async def relay(
     extra_headers: dict[str, str] | None = None,
     credential_headers: tuple[str, ...] = (),
     stream_ends: tuple[bytes, ...] = (),
+    original: bytes | None = None,
 ) -> web.StreamResponse:
     """Send the request upstream and stream the answer back as it arrives.
 
+    `original`: the client's bytes, when `body` is the gateway's change of them; if the
+    upstream refuses `body`, they are sent instead (once) and that answer is relayed.
     Raises GatewayError when no upstream response could be had; once the
     response has started, failures end the stream and are recorded in `info`.
     An event stream is complete once a `stream_ends` line was relayed, whoever
@@ -195,6 +204,9 @@ async def relay(
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         info.upstream_ms = (time.perf_counter() - t0) * 1000
         raise map_transport_error(exc, up) from None
+    if (original is not None and isinstance(body, bytes)
+            and refuses(up_resp.status, up_resp.headers, body, original)):
+        up_resp = await resend_original(pool, up, up_resp, headers, original, info)
     info.upstream_ms = (time.perf_counter() - t0) * 1000
     info.status = up_resp.status
     async with up_resp:
@@ -238,3 +250,45 @@ async def relay(
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             info.client_left()
     return resp
+
+
+def refuses(status: int, headers: Mapping[str, str], sent: bytes, original: bytes) -> bool:
+    """Did the upstream refuse the changed body `sent` itself, so that the client's
+    `original` may be accepted? A 413 only when the original is not larger; an answer
+    with a Retry-After is a condition of the upstream's (RFC 9110), relayed as it is."""
+    if status not in REFUSALS or "Retry-After" in headers:
+        return False
+    return status != 413 or len(original) <= len(sent)
+
+
+async def resend_original(
+    pool: UpstreamPool, up: Upstream, refused: aiohttp.ClientResponse,
+    headers: CIMultiDict[str], original: bytes, info: Relayed,
+) -> aiohttp.ClientResponse:
+    """Drop the refused answer (nothing of it was relayed) and send `original` to the
+    same URL with the same headers; its answer is the one the client gets."""
+    info.first_status = refused.status
+    await _discard(refused)
+    try:
+        return await pool.session(up).request(
+            refused.method, refused.url, data=original, headers=headers, timeout=_timeout(up),
+            allow_redirects=False, proxy=up.proxy,
+        )
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise map_transport_error(exc, up) from None
+
+
+async def _discard(resp: aiohttp.ClientResponse) -> None:
+    """Read a refused answer to its end (up to DISCARD_BYTES) so its connection is kept;
+    a longer or broken one is closed."""
+    got = 0
+    try:
+        while got <= DISCARD_BYTES:
+            chunk = await resp.content.readany()
+            if not chunk:
+                resp.release()
+                return
+            got += len(chunk)
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        pass
+    resp.close()

@@ -231,7 +231,8 @@ async def test_secrets_reach_no_sink(
     error body, memory record or admin view — on success, upstream error, refusal."""
     cap = tmp_path / "cap"
     gw = await gateway(
-        memory={"enable_eviction": True},
+        # a refusal of bad metadata is one of the error bodies checked
+        memory={"enable_eviction": True, "markers": {"on_bad_metadata": "reject"}},
         level="debug",
         logging={"level": "debug"},
         capture={"enabled": True, "dir": str(cap), "sample_rate": 1.0},

@@ -150,12 +150,13 @@ def test_auto_budget_uses_window_minus_output() -> None:
 
 
 def test_unpaired_and_bad_metadata() -> None:
-    """An orphan tool result is unplannable; malformed metadata is a client error."""
+    """An orphan tool result is unplannable; malformed metadata is a client error when
+    eviction is on and markers.on_bad_metadata is reject."""
     with pytest.raises(Unplannable):
         openai_chat.parse([u("q"), result("nope")], "[PIN]", 0.7)
     raw = orjson.dumps({"messages": [u("q", memgate={"ttl": -1})]})
     with pytest.raises(BadRequest, match=r"messages\[0\]\.memgate\.ttl"):
-        decide(raw, orjson.loads(raw), rules(), TOK)
+        decide(raw, orjson.loads(raw), rules(markers={"on_bad_metadata": "reject"}), TOK)
 
 
 def test_results_far_from_their_call_stay_together() -> None:

@@ -253,8 +253,10 @@ async def test_bodies_not_understood_are_forwarded_unchanged(
 async def test_bad_gateway_metadata_is_a_clear_400(
     gateway: GatewayFactory, upstream: Upstream
 ) -> None:
-    """Malformed memgate metadata gets a 400 naming the field; nothing is forwarded."""
-    gw = await gateway()
+    """Eviction on with markers.on_bad_metadata: reject: malformed memgate metadata gets a
+    400 naming the field; nothing is forwarded (off/shadow forward: test_metadata_lenient)."""
+    gw = await gateway(memory={"enable_eviction": True,
+                               "markers": {"on_bad_metadata": "reject"}})
     body = {"model": "m", "messages": [{"role": "user", "content": "hi",
                                         "memgate": {"score": "high"}}]}
     status, raw, _ = await post_raw(gw, orjson.dumps(body))

@@ -27,7 +27,7 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
     """Split a `messages` list into fixed part, turns and groups.
 
     Raises Unplannable for histories eviction must not touch (forwarded as is)
-    and BadMetadata for malformed gateway metadata (a 400 for the client).
+    and BadMetadata for malformed gateway metadata (chat.decide ignores or refuses it).
     """
     fixed: list[int] = []
     groups: list[Group] = []
