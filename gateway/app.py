@@ -185,5 +185,6 @@ def create_app(
                                         lambda r: r.app[STATE].rules, handlers.read_body))
     for path, wire in PATHS.items():
         app.router.add_post(path, handlers.intercept(wire))
-    app.router.add_route("*", "/{tail:.*}", handlers.passthrough)
+    # every path is relayed, a (decoded) newline in it too: aiohttp's own 404 is plain text
+    app.router.add_route("*", "/{tail:[\\s\\S]*}", handlers.passthrough)
     return app

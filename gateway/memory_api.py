@@ -200,6 +200,7 @@ def routes(service_of: Callable[[web.Request], Any],
     return [
         web.post("/v1/memories", answer("invalid_record", write)),
         web.post("/v1/memories/search", answer("invalid_filter", search)),
-        web.get("/v1/memories/{memory_id}", answer("invalid_request", get)),
-        web.delete("/v1/memories/{memory_id}", answer("invalid_request", delete)),
+        # any id the store may hold, braces and control characters included
+        web.get("/v1/memories/{memory_id:[^/]+}", answer("invalid_request", get)),
+        web.delete("/v1/memories/{memory_id:[^/]+}", answer("invalid_request", delete)),
     ]
