@@ -11,10 +11,13 @@ this shape. Nothing here does I/O.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from .media import Media, Piece
 
 META_KEY = "memgate"  # gateway metadata on a message: {"pin", "score", "ttl"}, never forwarded
 
@@ -46,7 +49,7 @@ class Group:
     indices: list[int]
     turn: int  # 0 = before the first user message, then 1..n_turns
     is_user: bool
-    chars: int = 0
+    chars: int = 0  # text the model reads (Conversation.text_chars): the max_chars budget
     weight: int = 0  # approx tokens, no tokenizer (places stepped cuts)
     pins: list[tuple[int, Pin]] = field(default_factory=list)  # (message index, pin)
     # the planner's token sum of the group's messages, valid for `tokens_key` (the
@@ -62,8 +65,13 @@ class Conversation:
     fixed: list[int]
     groups: list[Group]
     n_turns: int
-    chars: list[int]  # per message, the jq definition
-    media_parts: int = 0  # non-text content parts (estimated, not tokenized)
+    chars: list[int]  # per message, the jq definition (logged hist_chars)
+    # per message, the characters of the text the model reads, inline media payloads
+    # excluded: what max_chars budgets (a 40 KB screenshot is not 40 K characters)
+    text_chars: list[int] = field(default_factory=list)
+    media_parts: int = 0  # images, audio, files, documents (costed by gateway.media)
+    media_tokens: int = 0  # their token cost, summed
+    media_chars: int = 0  # characters of their inline payloads (in `chars`, not in text)
     has_metadata: bool = False
     outside_chars: int = 0  # always-kept text outside the list (Anthropic `system`, ...)
     # what the planner computed over a prefix of `groups` (checkpoints), shared by the
@@ -77,6 +85,10 @@ class Conversation:
     @property
     def total_chars(self) -> int:
         return sum(self.chars)
+
+    @property
+    def total_text_chars(self) -> int:
+        return sum(self.text_chars)
 
     @property
     def pinned_groups(self) -> list[int]:
@@ -93,6 +105,39 @@ def content_chars(content: Any) -> int:
     if isinstance(content, str):
         return len(content)
     return len(orjson.dumps(content).decode("utf-8"))
+
+
+@dataclass(slots=True)
+class Measure:
+    """One item's parse-time sizes, from the pieces its wire says the model reads."""
+
+    chars: int = 0  # text characters
+    weight: int = 0  # approx tokens: fixed tokens + media cost + ~4 characters a token
+    media: int = 0
+    media_tokens: int = 0
+    media_chars: int = 0
+
+    def add_media(self, m: Measure) -> None:
+        """Sum one item's media into a parse's running totals."""
+        self.media += m.media
+        self.media_tokens += m.media_tokens
+        self.media_chars += m.media_chars
+
+
+def measure(pieces: Iterable[Piece]) -> Measure:
+    m = Measure()
+    for p in pieces:
+        if type(p) is str:
+            m.chars += len(p)
+            m.weight += approx_tokens(p)
+        elif isinstance(p, Media):
+            m.media += 1
+            m.media_tokens += p.tokens
+            m.media_chars += p.payload_chars
+            m.weight += p.tokens
+        else:
+            m.weight += p  # type: ignore[operator]
+    return m
 
 
 def approx_tokens(s: str) -> int:
