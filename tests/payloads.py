@@ -98,3 +98,9 @@ def b64(data: bytes) -> str:
 
 def data_url(mime: str, data: bytes) -> str:
     return f"data:{mime};base64,{b64(data)}"
+
+
+def png_head(w: int, h: int, tail: bytes = b"") -> bytes:
+    """A PNG's signature and IHDR followed by `tail`: what a header reader sees."""
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + tail

