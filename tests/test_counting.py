@@ -170,8 +170,8 @@ MCP_TOOLS = [
          "limit": {"type": "integer", "description": "How many results at most"}},
          "required": ["query"]}}
     for name, desc in [
-        ("search_issues", "Search the issue tracker by text, label or assignee and return "
-                          "matching issues with their titles, states and last comments."),
+        ("search_issues", ("Search the issue tracker by text, label or assignee and return "
+                           "matching issues with their titles, states and last comments.")),
         ("get_issue", "Fetch one issue with its full description, comments and history."),
         ("list_releases", "List the repository's releases with their notes and dates."),
         ("read_file", "Read a file of the repository at a given revision."),
