@@ -125,19 +125,19 @@ class Measure:
 
 
 def measure(pieces: Iterable[Piece]) -> Measure:
-    m = Measure()
+    chars = weight = n = tokens = payload = 0
     for p in pieces:
         if type(p) is str:
-            m.chars += len(p)
-            m.weight += approx_tokens(p)
-        elif isinstance(p, Media):
-            m.media += 1
-            m.media_tokens += p.tokens
-            m.media_chars += p.payload_chars
-            m.weight += p.tokens
+            chars += len(p)
+            weight += approx_tokens(p)
+        elif type(p) is int:
+            weight += p
         else:
-            m.weight += p  # type: ignore[operator]
-    return m
+            assert isinstance(p, Media)
+            n += 1
+            tokens += p.tokens
+            payload += p.payload_chars
+    return Measure(chars, weight + tokens, n, tokens, payload)
 
 
 def approx_tokens(s: str) -> int:
@@ -147,13 +147,6 @@ def approx_tokens(s: str) -> int:
         return (n + 3) // 4
     wide = (len(s.encode("utf-8", "surrogatepass")) - n) // 2  # 3-byte chars count 1
     return (n - wide + 3) // 4 + wide
-
-
-def approx_weight(content: Any, n_chars: int) -> int:
-    """A cheap, stable size of one message in token units (4 = per-message overhead)."""
-    if type(content) is str:
-        return 4 + approx_tokens(content)
-    return 4 + (n_chars + 3) // 4
 
 
 def first_text(content: Any) -> str | None:

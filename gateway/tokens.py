@@ -93,10 +93,11 @@ class TokenCounter:
         for p in pieces:
             if type(p) is str:
                 n += self.count(p)
-            elif isinstance(p, Media):
-                n += p.tokens
+            elif type(p) is int:
+                n += p
             else:
-                n += p  # type: ignore[operator]
+                assert isinstance(p, Media)
+                n += p.tokens
         return n
 
     def __len__(self) -> int:
