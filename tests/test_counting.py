@@ -82,6 +82,12 @@ async def test_chat_media_in_current_turn_keeps_history(
     names = [part["file"]["filename"]] if part["type"] == "file" else []
     reference = 3 + 4 * len(messages) + sum(tok.count(t) for t in texts + names) + cost
     assert int(ev["est_tokens"]) == reference
+    # the next turn keeps the attachment and its answer (they used to be cut with the rest)
+    follow = [*messages, {"role": "assistant", "content": "hello from upstream"},
+              {"role": "user", "content": "And the second page?"}]
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=SECRET, max_retries=0) as c:
+        await c.chat.completions.create(model="gpt-4o-mini", messages=follow)  # type: ignore[arg-type]
+    assert orjson.loads(upstream.received[-1]["raw"])["messages"] == follow
 
 
 async def test_anthropic_pdf_and_image_in_current_turn_keep_history(
@@ -245,8 +251,10 @@ async def test_responses_mcp_history_counted_within_ten_percent(
         else:  # a string field as it is (arguments, output), the rest as JSON
             reference += sum(tok.count(v if isinstance(v, str) else orjson.dumps(v).decode())
                              for v in (it[k] for k in READS[it["type"]]))
-    est = int(last_mem(gw)["est_tokens"])
+    ev = last_mem(gw)
+    est = int(ev["est_tokens"])
     assert abs(est - reference) <= 0.1 * reference, (est, reference)
+    assert "media" not in ev  # written only when a request carries media
 
 
 LONG_TEXT = ("Section {n}. The supplier shall deliver the goods within thirty days of the "

@@ -128,6 +128,13 @@ def test_audio_seconds(data: bytes, tokens: int) -> None:
     assert media.audio(b64(data)).tokens == tokens
 
 
+def test_text_files_cost_their_size() -> None:
+    """A base64 text/CSV file is text the model reads: ~4 characters a token, not pages."""
+    csv = b"date,amount\n" + b"2024-01-01,10.00\n" * 3000
+    assert media.file_data(data_url("text/csv", csv)).tokens == len(csv) // 4
+    assert media.file_data(data_url("application/pdf", pdf(2))).tokens == 2 * 2300
+
+
 def test_unreadable_media_fall_back_to_documented_estimates() -> None:
     """Remote URLs, file ids and odd bytes cost the documented fallbacks."""
     assert media.openai_image("https://example.com/cat.png", "auto") == (media.OPENAI_UNKNOWN, 0)

@@ -147,7 +147,7 @@ def part_pieces(part: Any) -> Iterator[Piece]:
         f = f if isinstance(f, dict) else part  # Responses has no wrapper
         if isinstance(f.get("filename"), str):
             yield f["filename"]
-        yield media.pdf(f.get("file_data"))
+        yield media.file_data(f.get("file_data"))
     else:
         yield from media.opaque(part)
 
