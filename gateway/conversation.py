@@ -11,7 +11,7 @@ this shape. Nothing here does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,6 +147,14 @@ def approx_tokens(s: str) -> int:
         return (n + 3) // 4
     wide = (len(s.encode("utf-8", "surrogatepass")) - n) // 2  # 3-byte chars count 1
     return (n - wide + 3) // 4 + wide
+
+
+def str_fields(d: dict[str, Any], *keys: str) -> Iterator[str]:
+    """The string values of these keys (what the model reads of an item's fields)."""
+    for k in keys:
+        v = d.get(k)
+        if isinstance(v, str):
+            yield v
 
 
 def first_text(content: Any) -> str | None:

@@ -24,6 +24,7 @@ from ..conversation import (
     first_text,
     measure,
     message_pin,
+    str_fields,
 )
 from ..media import Piece
 from ..tokens import PER_MESSAGE, REPLY_PRIMING, TokenCounter
@@ -102,13 +103,6 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
     )
 
 
-def _strings(b: dict[str, Any], *keys: str) -> Iterator[str]:
-    for k in keys:
-        v = b.get(k)
-        if isinstance(v, str):
-            yield v
-
-
 def block_pieces(b: dict[str, Any]) -> Iterator[Piece]:
     """One content block as the model reads it (README: "How items are counted")."""
     kind = b.get("type")
@@ -121,7 +115,7 @@ def block_pieces(b: dict[str, Any]) -> Iterator[Piece]:
     elif kind == "redacted_thinking":
         yield len(str(b.get("data", ""))) // 4  # encrypted: estimated, never tokenized
     elif kind in ("tool_use", "server_tool_use", "mcp_tool_use"):
-        yield from _strings(b, "name", "server_name")
+        yield from str_fields(b, "name", "server_name")
         yield json_text(b.get("input", {}))
     elif kind in ("tool_result", "mcp_tool_result"):
         yield from content_pieces(b.get("content"))
@@ -130,14 +124,14 @@ def block_pieces(b: dict[str, Any]) -> Iterator[Piece]:
     elif kind == "document":
         yield from document_pieces(b)
     elif kind == "search_result":
-        yield from _strings(b, "source", "title")
+        yield from str_fields(b, "source", "title")
         yield from content_pieces(b.get("content"))
     elif kind == "web_search_tool_result":
         yield from _search_results(b.get("content"))
     elif kind == "web_fetch_tool_result":
         inner = b.get("content")
         if isinstance(inner, dict):
-            yield from _strings(inner, "url", "retrieved_at", "error_code")
+            yield from str_fields(inner, "url", "retrieved_at", "error_code")
             doc = inner.get("content")
             if isinstance(doc, dict):
                 yield from block_pieces(doc)
@@ -147,10 +141,10 @@ def block_pieces(b: dict[str, Any]) -> Iterator[Piece]:
 
 def _search_results(content: Any) -> Iterator[Piece]:
     if isinstance(content, dict):  # web_search_tool_result_error
-        yield from _strings(content, "error_code")
+        yield from str_fields(content, "error_code")
         return
     for r in _blocks(content):
-        yield from _strings(r, "title", "url", "page_age")
+        yield from str_fields(r, "title", "url", "page_age")
         # the page text the model reads, encrypted: ~4 characters a token, not tokenized
         yield len(str(r.get("encrypted_content", ""))) // 4
 
@@ -158,7 +152,7 @@ def _search_results(content: Any) -> Iterator[Piece]:
 def document_pieces(b: dict[str, Any]) -> Iterator[Piece]:
     """A document: its title and context, then its source (text by its text, a PDF
     by its pages, content blocks as blocks)."""
-    yield from _strings(b, "title", "context")
+    yield from str_fields(b, "title", "context")
     if isinstance(b.get("citations"), dict):
         yield json_text(b["citations"])
     source = b.get("source")

@@ -26,6 +26,7 @@ from ..conversation import (
     measure,
     merge_into,
     message_pin,
+    str_fields,
 )
 from ..media import Piece
 from ..tokens import PER_MESSAGE, REPLY_PRIMING, TokenCounter
@@ -146,13 +147,6 @@ def parse(items: list[Any], prefix: str, min_score: float) -> Conversation:
     )
 
 
-def _strings(it: dict[str, Any], *keys: str) -> Iterator[str]:
-    for k in keys:
-        v = it.get(k)
-        if isinstance(v, str):
-            yield v
-
-
 def _dicts(v: Any) -> list[dict[str, Any]]:
     return [x for x in v if isinstance(x, dict)] if isinstance(v, list) else []
 
@@ -172,48 +166,50 @@ def item_pieces(it: dict[str, Any]) -> Iterator[Piece]:
     if t == "message":
         yield from content_pieces(it.get("content"))
     elif t in ("function_call", "custom_tool_call"):
-        yield from _strings(it, "name", "arguments", "input")
+        yield from str_fields(it, "name", "arguments", "input")
     elif t in OUTPUTS:  # function, custom tool, computer (a screenshot), local shell
         yield from _output_pieces(it.get("output"))
         for check in _dicts(it.get("acknowledged_safety_checks")):
-            yield from _strings(check, "code", "message")
+            yield from str_fields(check, "code", "message")
     elif t in ("computer_call", "local_shell_call"):
         yield json_text(it.get("action"))
         for check in _dicts(it.get("pending_safety_checks")):
-            yield from _strings(check, "code", "message")
+            yield from str_fields(check, "code", "message")
     elif t in ("mcp_call", "mcp_approval_request"):
-        yield from _strings(it, "server_label", "name", "arguments", "output", "error")
+        yield from str_fields(it, "server_label", "name", "arguments", "output", "error")
     elif t == "mcp_list_tools":
-        yield from _strings(it, "server_label", "error")
+        yield from str_fields(it, "server_label", "error")
         for tool in _dicts(it.get("tools")):
-            yield from _strings(tool, "name", "description")
+            yield from str_fields(tool, "name", "description")
             for k in ("input_schema", "annotations"):
                 if tool.get(k) is not None:
                     yield json_text(tool[k])
     elif t == "mcp_approval_response":
-        yield from _strings(it, "reason")
+        yield from str_fields(it, "reason")
     elif t == "file_search_call":
-        yield from (q for q in it.get("queries") or [] if isinstance(q, str))
+        queries = it.get("queries")
+        if isinstance(queries, list):
+            yield from (q for q in queries if isinstance(q, str))
         for r in _dicts(it.get("results")):
-            yield from _strings(r, "filename", "text")
+            yield from str_fields(r, "filename", "text")
     elif t == "web_search_call":
         if it.get("action") is not None:
             yield json_text(it["action"])
     elif t == "reasoning":
         for part in _dicts(it.get("summary")) + _dicts(it.get("content")):
-            yield from _strings(part, "text")
+            yield from str_fields(part, "text")
         # opaque to the gateway: estimated at ~4 characters a token, never tokenized
         yield len(str(it.get("encrypted_content") or "")) // 4
     elif t == "image_generation_call":
         if isinstance(it.get("result"), str):  # the generated image, raw base64
             yield media.openai_b64_image(it["result"])
     elif t == "code_interpreter_call":
-        yield from _strings(it, "code")
+        yield from str_fields(it, "code")
         for out in _dicts(it.get("outputs")):
             if out.get("type") == "image":
                 yield media.openai_image(out.get("url"), None)
             else:
-                yield from _strings(out, "logs")
+                yield from str_fields(out, "logs")
     elif t != "item_reference":  # a reference is the id of an item the server holds
         yield from media.opaque(it)
 
