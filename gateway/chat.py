@@ -95,7 +95,7 @@ class Decision:
         if self.conv is None:
             return 0
         known = self.view.known if self.view is not None else 0
-        return sum(self.conv.chars[known:])
+        return sum(self.conv.text_chars[known:])  # media payloads are never tokenized
 
     async def count_off_loop(self, indices: list[int], executor: Executor | None = None) -> None:
         """Count these messages in a worker thread of `executor` (tiktoken releases the
@@ -451,7 +451,8 @@ def _end_of_stable_prefix(conv: Conversation, p: Plan) -> int | None:
 
 
 def _bytes_bound(raw: bytes, d: Decision) -> int:
-    """Tokens never exceed the body's bytes (a token is at least one byte), plus a
-    fixed estimate per media part, scaled like the counts themselves."""
-    media = d.conv.media_parts if d.conv is not None else 0
-    return math.ceil((len(raw) + media * 85) * d.token_factor)
+    """Tokens never exceed the body's bytes (a token is at least one byte), with each
+    media part's payload bytes replaced by its cost, scaled like the counts themselves."""
+    conv = d.conv
+    extra = conv.media_tokens - conv.media_chars if conv is not None else 0
+    return math.ceil((len(raw) + extra) * d.token_factor)

@@ -11,10 +11,13 @@ this shape. Nothing here does I/O.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from .media import Media, Piece
 
 META_KEY = "memgate"  # gateway metadata on a message: {"pin", "score", "ttl"}, never forwarded
 
@@ -47,7 +50,7 @@ class Group:
     indices: list[int]
     turn: int  # 0 = before the first user message, then 1..n_turns
     is_user: bool
-    chars: int = 0
+    chars: int = 0  # text the model reads (Conversation.text_chars): the max_chars budget
     weight: int = 0  # approx tokens, no tokenizer (places stepped cuts)
     pins: list[tuple[int, Pin]] = field(default_factory=list)  # (message index, pin)
     # the planner's token sum of the group's messages, valid for `tokens_key` (the
@@ -63,8 +66,13 @@ class Conversation:
     fixed: list[int]
     groups: list[Group]
     n_turns: int
-    chars: list[int]  # per message, the jq definition
-    media_parts: int = 0  # non-text content parts (estimated, not tokenized)
+    chars: list[int]  # per message, the jq definition (logged hist_chars)
+    # per message, the characters of the text the model reads, inline media payloads
+    # excluded: what max_chars budgets (a 40 KB screenshot is not 40 K characters)
+    text_chars: list[int] = field(default_factory=list)
+    media_parts: int = 0  # images, audio, files, documents (costed by gateway.media)
+    media_tokens: int = 0  # their token cost, summed
+    media_chars: int = 0  # characters of their inline payloads (in `chars`, not in text)
     has_metadata: bool = False
     outside_chars: int = 0  # always-kept text outside the list (Anthropic `system`, ...)
     # what the planner computed over a prefix of `groups` (checkpoints), shared by the
@@ -78,6 +86,10 @@ class Conversation:
     @property
     def total_chars(self) -> int:
         return sum(self.chars)
+
+    @property
+    def total_text_chars(self) -> int:
+        return sum(self.text_chars)
 
     @property
     def pinned_groups(self) -> list[int]:
@@ -96,6 +108,39 @@ def content_chars(content: Any) -> int:
     return len(orjson.dumps(content).decode("utf-8"))
 
 
+@dataclass(slots=True)
+class Measure:
+    """One item's parse-time sizes, from the pieces its wire says the model reads."""
+
+    chars: int = 0  # text characters
+    weight: int = 0  # approx tokens: fixed tokens + media cost + ~4 characters a token
+    media: int = 0
+    media_tokens: int = 0
+    media_chars: int = 0
+
+    def add_media(self, m: Measure) -> None:
+        """Sum one item's media into a parse's running totals."""
+        self.media += m.media
+        self.media_tokens += m.media_tokens
+        self.media_chars += m.media_chars
+
+
+def measure(pieces: Iterable[Piece]) -> Measure:
+    chars = weight = n = tokens = payload = 0
+    for p in pieces:
+        if type(p) is str:
+            chars += len(p)
+            weight += approx_tokens(p)
+        elif type(p) is int:
+            weight += p
+        else:
+            assert isinstance(p, Media)
+            n += 1
+            tokens += p.tokens
+            payload += p.payload_chars
+    return Measure(chars, weight + tokens, n, tokens, payload)
+
+
 def approx_tokens(s: str) -> int:
     """~4 ASCII characters per token, ~1 token per CJK character; no tokenizer."""
     n = len(s)
@@ -105,11 +150,12 @@ def approx_tokens(s: str) -> int:
     return (n - wide + 3) // 4 + wide
 
 
-def approx_weight(content: Any, n_chars: int) -> int:
-    """A cheap, stable size of one message in token units (4 = per-message overhead)."""
-    if type(content) is str:
-        return 4 + approx_tokens(content)
-    return 4 + (n_chars + 3) // 4
+def str_fields(d: dict[str, Any], *keys: str) -> Iterator[str]:
+    """The string values of these keys (what the model reads of an item's fields)."""
+    for k in keys:
+        v = d.get(k)
+        if isinstance(v, str):
+            yield v
 
 
 def first_text(content: Any) -> str | None:

@@ -120,6 +120,8 @@ def mem_fields(
         "est_tokens": d.est_tokens() if est_tokens is None else est_tokens,
         "budget_tokens": d.budget_tokens,
     }
+    if d.conv is not None and d.conv.media_parts:  # only then: text traffic's line unchanged
+        f["media"] = d.conv.media_parts
     p = d.plan
     if d.skip_reason is not None:
         f.update(evict="skipped", kept=len(msgs), dropped=0, pinned=0, reason=d.skip_reason)

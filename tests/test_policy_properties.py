@@ -95,7 +95,7 @@ def test_budget_respected_unless_over_budget(
     assert p is not None
     b = rules.memory.budget
     tokens = d.overhead_tokens() + sum(d.message_tokens(i) for i in p.kept)
-    chars = sum(d.conv.chars[i] for i in p.kept) if d.conv else 0
+    chars = sum(d.conv.text_chars[i] for i in p.kept) if d.conv else 0
     fits = (
         (b.max_tokens is None or tokens <= b.max_tokens)
         and (b.max_chars is None or chars <= b.max_chars)
@@ -258,7 +258,7 @@ def test_cut_stays_while_it_fits(
             assert p.kept_chars <= max_chars
         if prev is not None:
             grown = (*prev, *range(prev_n, len(history)))
-            chars = sum(d.conv.chars[i] for i in grown) if d.conv else 0
+            chars = sum(d.conv.text_chars[i] for i in grown) if d.conv else 0
             fits = chars <= max_chars and (max_messages is None or len(grown) <= max_messages)
             if fits and not prev_fallback:
                 assert p.kept == grown, "the cut moved although the grown history fits"

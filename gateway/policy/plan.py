@@ -503,7 +503,7 @@ def plan(
             pinned_overflow=0,
             over_budget=False,
             kept_tokens=None,
-            kept_chars=conv.total_chars + conv.outside_chars,
+            kept_chars=conv.total_text_chars + conv.outside_chars,
         )
     st = _State(
         conv=conv,
@@ -519,7 +519,7 @@ def plan(
     )
     # system/developer and the current turn are not subject to eviction
     st.messages_used = len(conv.fixed)
-    fixed_chars = conv.outside_chars + sum(conv.chars[i] for i in conv.fixed)
+    fixed_chars = conv.outside_chars + sum(conv.text_chars[i] for i in conv.fixed)
     st.chars_used = fixed_chars
     fixed_tokens = (
         overhead_tokens + sum(tokens_of(i) for i in conv.fixed) if st.count_tokens else 0
@@ -606,7 +606,7 @@ def _fits_without_planning(conv: Conversation, lim: Limits, bound: int | None) -
         return False
     if lim.max_messages is not None and conv.n_messages > lim.max_messages:
         return False
-    if lim.max_chars is not None and conv.total_chars + conv.outside_chars > lim.max_chars:
+    if lim.max_chars is not None and conv.total_text_chars + conv.outside_chars > lim.max_chars:
         return False
     if lim.max_tokens is not None and (bound is None or bound > lim.max_tokens):
         return False

@@ -10,21 +10,27 @@ encoding times a correction factor and are logged `tokenizer=approx`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
 
+from .. import media
 from ..conversation import (
     Conversation,
     Group,
+    Measure,
     Unplannable,
-    approx_weight,
+    approx_tokens,
     content_chars,
     first_text,
+    measure,
     message_pin,
+    str_fields,
 )
 from ..jsonbytes import Edit, elements, members
-from ..tokens import PER_MEDIA_PART, PER_MESSAGE, REPLY_PRIMING, TokenCounter
+from ..media import Piece
+from ..tokens import PER_MESSAGE, REPLY_PRIMING, TokenCounter
 from .base import Wire, json_text
 
 ROLES = ("user", "assistant")
@@ -45,7 +51,8 @@ def tool_ids(content: Any, block_type: str, key: str) -> list[str]:
 def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
     groups: list[Group] = []
     chars: list[int] = []
-    media = 0
+    text_chars: list[int] = []
+    totals = Measure()
     has_meta = False
     turn = 0
     open_uses: set[str] = set()  # tool_use ids of the last assistant message
@@ -61,8 +68,14 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
         content = m.get("content")
         n_chars = content_chars(content)
         chars.append(n_chars)
+        if type(content) is str:
+            n_text, weight = n_chars, 4 + approx_tokens(content)
+        else:
+            ms = measure(message_pieces(m))
+            n_text, weight = ms.chars, ms.weight
+            totals.add_media(ms)
+        text_chars.append(n_text)
         blocks = _blocks(content)
-        media += sum(1 for b in blocks if b.get("type") in ("image", "document"))
         if any("cache_control" in b for b in blocks):
             marked.append(i)
         pin, meta_here = message_pin(m, "messages", i, first_text(content), prefix,
@@ -82,40 +95,96 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
             groups.append(Group([i], turn, False))
             open_uses = set(tool_ids(content, "tool_use", "id"))
         grp = groups[-1]
-        grp.chars += n_chars
-        grp.weight += approx_weight(content, n_chars)
+        grp.chars += n_text
+        grp.weight += weight
         if pin is not None:
             grp.pins.append((i, pin))
     return Conversation(
         n_messages=len(messages), fixed=[], groups=groups, n_turns=turn, chars=chars,
-        media_parts=media, has_metadata=has_meta, cache_marked=marked,
+        text_chars=text_chars, media_parts=totals.media, media_tokens=totals.media_tokens,
+        media_chars=totals.media_chars, has_metadata=has_meta, cache_marked=marked,
     )
 
 
-def _block_tokens(b: dict[str, Any], counter: TokenCounter) -> int:
+def block_pieces(b: dict[str, Any]) -> Iterator[Piece]:
+    """One content block as the model reads it (README: "How items are counted")."""
     kind = b.get("type")
     if kind == "text":
-        return counter.count(str(b.get("text", "")))
-    if kind == "thinking":
-        return counter.count(str(b.get("thinking", "")))
-    if kind == "redacted_thinking":
-        return len(str(b.get("data", ""))) // 4
-    if kind in ("tool_use", "server_tool_use"):
-        return counter.count(str(b.get("name", ""))) + counter.count(json_text(b.get("input", {})))
-    if kind == "tool_result":
+        # a text block's `citations` are not counted: Anthropic bills neither the
+        # cited_text of a reply nor, sent back, of a later request
+        yield str(b.get("text", ""))
+    elif kind == "thinking":
+        yield str(b.get("thinking", ""))  # the signature is opaque and not read as text
+    elif kind == "redacted_thinking":
+        yield len(str(b.get("data", ""))) // 4  # encrypted: estimated, never tokenized
+    elif kind in ("tool_use", "server_tool_use", "mcp_tool_use"):
+        yield from str_fields(b, "name", "server_name")
+        yield json_text(b.get("input", {}))
+    elif kind in ("tool_result", "mcp_tool_result"):
+        yield from content_pieces(b.get("content"))
+    elif kind == "image":
+        yield media.anthropic_image(b.get("source"))
+    elif kind == "document":
+        yield from document_pieces(b)
+    elif kind == "search_result":
+        yield from str_fields(b, "source", "title")
+        yield from content_pieces(b.get("content"))
+    elif kind == "web_search_tool_result":
+        yield from _search_results(b.get("content"))
+    elif kind == "web_fetch_tool_result":
         inner = b.get("content")
-        if isinstance(inner, str):
-            return counter.count(inner)
-        return sum(_block_tokens(x, counter) for x in _blocks(inner))
-    if kind in ("image", "document"):
-        return PER_MEDIA_PART
-    return counter.count(json_text(b))
+        if isinstance(inner, dict):
+            yield from str_fields(inner, "url", "retrieved_at", "error_code")
+            doc = inner.get("content")
+            if isinstance(doc, dict):
+                yield from block_pieces(doc)
+    else:
+        yield from media.opaque(b)
+
+
+def _search_results(content: Any) -> Iterator[Piece]:
+    if isinstance(content, dict):  # web_search_tool_result_error
+        yield from str_fields(content, "error_code")
+        return
+    for r in _blocks(content):
+        yield from str_fields(r, "title", "url", "page_age")
+        # the page text the model reads, encrypted: ~4 characters a token, not tokenized
+        yield len(str(r.get("encrypted_content", ""))) // 4
+
+
+def document_pieces(b: dict[str, Any]) -> Iterator[Piece]:
+    """A document: its title and context, then its source (text by its text, a PDF
+    by its pages, content blocks as blocks)."""
+    yield from str_fields(b, "title", "context")
+    if isinstance(b.get("citations"), dict):
+        yield json_text(b["citations"])
+    source = b.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if not isinstance(source, dict) or kind not in ("text", "content", "base64"):
+        yield media.pdf(None)  # url, file: the bytes are elsewhere
+    elif kind == "text":
+        yield str(source.get("data", ""))
+    elif kind == "content":
+        yield from content_pieces(source.get("content"))
+    else:
+        yield media.pdf(source.get("data"))
+
+
+def content_pieces(content: Any) -> Iterator[Piece]:
+    if isinstance(content, str):
+        yield content
+    else:
+        for b in _blocks(content):
+            yield from block_pieces(b)
+
+
+def message_pieces(m: dict[str, Any]) -> Iterator[Piece]:
+    yield PER_MESSAGE + 1
+    yield from content_pieces(m.get("content"))
 
 
 def content_tokens(content: Any, counter: TokenCounter) -> int:
-    if isinstance(content, str):
-        return counter.count(content)
-    return sum(_block_tokens(b, counter) for b in _blocks(content))
+    return counter.count_pieces(content_pieces(content))
 
 
 UNMARKABLE = frozenset(("thinking", "redacted_thinking"))
@@ -139,7 +208,7 @@ class AnthropicMessages(Wire):
                 and not tool_ids(item.get("content"), "tool_result", "tool_use_id"))
 
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
-        return PER_MESSAGE + 1 + content_tokens(item.get("content"), counter)
+        return counter.count_pieces(message_pieces(item))
 
     def item_chars(self, item: Any) -> int:
         return content_chars(item.get("content")) if isinstance(item, dict) else 0
@@ -151,7 +220,7 @@ class AnthropicMessages(Wire):
         return n
 
     def fixed_chars(self, payload: dict[str, Any]) -> int:
-        return content_chars(payload.get("system"))
+        return measure(content_pieces(payload.get("system"))).chars
 
     def item_role(self, item: Any) -> str:
         role = item.get("role") if isinstance(item, dict) else None

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
 
+from .. import media
 from ..conversation import (
     Conversation,
     Group,
+    Measure,
     Unplannable,
     approx_tokens,
-    approx_weight,
     content_chars,
     first_text,
+    measure,
     merge_into,
     message_pin,
 )
-from ..tokens import PER_MEDIA_PART, PER_MESSAGE, PER_NAME, REPLY_PRIMING, TokenCounter
+from ..media import Piece
+from ..tokens import PER_MESSAGE, PER_NAME, REPLY_PRIMING, TokenCounter
 from .base import Wire
 
 FIXED_ROLES = frozenset(("system", "developer"))
@@ -32,7 +36,8 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
     fixed: list[int] = []
     groups: list[Group] = []
     chars: list[int] = []
-    media = 0
+    text_chars: list[int] = []
+    totals = Measure()
     has_meta = False
     turn = 0
     open_calls: dict[str, int] = {}  # tool_call_id -> group index, within the current turn
@@ -43,18 +48,18 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
         if not isinstance(role, str):
             raise Unplannable("missing_role")
         content = m.get("content")
-        if type(content) is str:
-            n_chars = len(content)
-            text = content
+        if type(content) is str and not _beside_content(m):  # the common case, no walk
+            n_chars = n_text = len(content)
+            weight = 4 + approx_tokens(content)
+            text: str | None = content
         else:
             n_chars = content_chars(content)
             text = first_text(content)
-            if isinstance(content, list):
-                media += sum(
-                    1 for p in content
-                    if not (isinstance(p, dict) and isinstance(p.get("text"), str))
-                )
+            ms = measure(message_pieces(m))
+            n_text, weight = ms.chars, ms.weight
+            totals.add_media(ms)
         chars.append(n_chars)
+        text_chars.append(n_text)
         pin, meta_here = message_pin(m, "messages", i, text, prefix, min_score)
         has_meta = has_meta or meta_here
 
@@ -89,14 +94,8 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
         else:
             raise Unplannable("unknown_role")
         grp = groups[-1]
-        grp.chars += n_chars
-        grp.weight += approx_weight(content, n_chars)
-        calls = m.get("tool_calls")
-        if calls:
-            for call in calls:
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                    grp.weight += approx_tokens(fn["arguments"]) + 3
+        grp.chars += n_text
+        grp.weight += weight
         if pin is not None:
             grp.pins.append((i, pin))
     return Conversation(
@@ -105,46 +104,91 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
         groups=groups,
         n_turns=turn,
         chars=chars,
-        media_parts=media,
+        text_chars=text_chars,
+        media_parts=totals.media,
+        media_tokens=totals.media_tokens,
+        media_chars=totals.media_chars,
         has_metadata=has_meta,
     )
 
 
-def content_tokens(content: Any, counter: TokenCounter) -> int:
-    """Tokens of a content: a string, text parts (media parts estimated), or JSON."""
+def _beside_content(m: dict[str, Any]) -> bool:
+    """Does the model read more of this message than its content?"""
+    return "tool_calls" in m or "function_call" in m or "name" in m
+
+
+def part_pieces(part: Any) -> Iterator[Piece]:
+    """One content part as the model reads it (shared by the Responses wire, whose
+    input_* parts have the same media)."""
+    if not isinstance(part, dict):
+        yield from media.opaque(part)
+        return
+    text = part.get("text")
+    if isinstance(text, str):  # text, input_text, output_text
+        yield text
+        return
+    kind = part.get("type")
+    if kind == "refusal":
+        yield str(part.get("refusal") or "")
+    elif kind == "image_url":
+        img = part.get("image_url")
+        if isinstance(img, dict):
+            yield media.openai_image(img.get("url"), img.get("detail"))
+        else:
+            yield media.openai_image(img, None)
+    elif kind in ("input_image", "computer_screenshot"):  # Responses
+        yield media.openai_image(part.get("image_url"), part.get("detail"))
+    elif kind == "input_audio":
+        audio = part.get("input_audio")
+        audio = audio if isinstance(audio, dict) else part  # Responses has no wrapper
+        yield media.audio(audio.get("data"), audio.get("format"))
+    elif kind in ("file", "input_file"):
+        f = part.get("file")
+        f = f if isinstance(f, dict) else part  # Responses has no wrapper
+        if isinstance(f.get("filename"), str):
+            yield f["filename"]
+        yield media.file_data(f.get("file_data"))
+    else:
+        yield from media.opaque(part)
+
+
+def content_pieces(content: Any) -> Iterator[Piece]:
+    """A content as the model reads it: a string, parts, or (anything else) its JSON."""
     if content is None:
-        return 0
+        return
     if isinstance(content, str):
-        return counter.count(content)
-    if isinstance(content, list):
-        n = 0
+        yield content
+    elif isinstance(content, list):
         for part in content:
-            if isinstance(part, dict) and isinstance(part.get("text"), str):
-                n += counter.count(part["text"])
-            else:
-                n += PER_MEDIA_PART
-        return n
-    return counter.count(orjson.dumps(content).decode("utf-8"))
+            yield from part_pieces(part)
+    else:
+        yield from media.opaque(content)
 
 
-def message_tokens(m: dict[str, Any], counter: TokenCounter) -> int:
+def message_pieces(m: dict[str, Any]) -> Iterator[Piece]:
     """OpenAI's per-message accounting: 3 + role + content (+ name + 1) + tool calls."""
-    n = PER_MESSAGE + 1 + content_tokens(m.get("content"), counter)
+    yield PER_MESSAGE + 1
+    yield from content_pieces(m.get("content"))
     name = m.get("name")
     if isinstance(name, str):
-        n += counter.count(name) + PER_NAME
+        yield name
+        yield PER_NAME
     calls = m.get("tool_calls")
     if isinstance(calls, list):
         for call in calls:
             fn = call.get("function") if isinstance(call, dict) else None
             if isinstance(fn, dict):
-                n += PER_MESSAGE
-                n += counter.count(str(fn.get("name", "")))
-                n += counter.count(str(fn.get("arguments", "")))
+                yield PER_MESSAGE
+                yield str(fn.get("name", ""))
+                yield str(fn.get("arguments", ""))
     fc = m.get("function_call")
     if isinstance(fc, dict):
-        n += counter.count(str(fc.get("name", ""))) + counter.count(str(fc.get("arguments", "")))
-    return n
+        yield str(fc.get("name", ""))
+        yield str(fc.get("arguments", ""))
+
+
+def message_tokens(m: dict[str, Any], counter: TokenCounter) -> int:
+    return counter.count_pieces(message_pieces(m))
 
 
 def overhead_tokens(body: dict[str, Any], counter: TokenCounter) -> int:
@@ -170,7 +214,6 @@ class OpenAIChat(Wire):
 
     def item_chars(self, item: Any) -> int:
         return content_chars(item.get("content")) if isinstance(item, dict) else 0
-
     def overhead_tokens(self, payload: dict[str, Any], counter: TokenCounter) -> int:
         return overhead_tokens(payload, counter)
 

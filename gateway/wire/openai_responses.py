@@ -16,21 +16,27 @@ measured, never evicted, and its results may answer calls the server holds.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+from .. import media
 from ..conversation import (
     Conversation,
     Group,
+    Measure,
     Unplannable,
-    approx_weight,
+    approx_tokens,
     content_chars,
     first_text,
+    measure,
     merge_into,
     message_pin,
+    str_fields,
 )
+from ..media import Piece
 from ..tokens import PER_MESSAGE, REPLY_PRIMING, TokenCounter
 from .base import Wire, json_text, text_of
-from .openai_chat import content_tokens
+from .openai_chat import content_pieces, part_pieces
 
 CALLS = frozenset(("function_call", "custom_tool_call", "computer_call", "local_shell_call"))
 OUTPUTS = frozenset(
@@ -68,7 +74,8 @@ def parse(items: list[Any], prefix: str, min_score: float,
     fixed: list[int] = []
     groups: list[Group] = []
     chars: list[int] = []
-    media = 0
+    text_chars: list[int] = []
+    totals = Measure()
     has_meta = False
     turn = 0
     open_calls: dict[str, int] = {}
@@ -81,11 +88,13 @@ def parse(items: list[Any], prefix: str, min_score: float,
         content = _text_of(it)
         n_chars = content_chars(content)
         chars.append(n_chars)
-        if isinstance(content, list):
-            media += sum(
-                1 for p in content if isinstance(p, dict) and p.get("type") in ("input_image",
-                                                                                   "input_file")
-            )
+        if type(content) is str and t == "message":
+            n_text, weight = n_chars, 4 + approx_tokens(content)
+        else:
+            ms = measure(item_pieces(it))
+            n_text, weight = ms.chars, ms.weight
+            totals.add_media(ms)
+        text_chars.append(n_text)
         pin, meta_here = message_pin(it, "input", i, first_text(content), prefix, min_score)
         has_meta = has_meta or meta_here
         if t == "message":
@@ -147,14 +156,82 @@ def parse(items: list[Any], prefix: str, min_score: float,
             else:
                 groups.append(Group([i], turn, False))
         grp = groups[-1]
-        grp.chars += n_chars
-        grp.weight += approx_weight(content, n_chars)
+        grp.chars += n_text
+        grp.weight += weight
         if pin is not None:
             grp.pins.append((i, pin))
     return Conversation(
         n_messages=len(items), fixed=fixed, groups=groups, n_turns=turn, chars=chars,
-        media_parts=media, has_metadata=has_meta,
+        text_chars=text_chars, media_parts=totals.media, media_tokens=totals.media_tokens,
+        media_chars=totals.media_chars, has_metadata=has_meta,
     )
+
+
+def _dicts(v: Any) -> list[dict[str, Any]]:
+    return [x for x in v if isinstance(x, dict)] if isinstance(v, list) else []
+
+
+def _output_pieces(output: Any) -> Iterator[Piece]:
+    """A tool output: a string, a list of input_* parts, or one part (a screenshot)."""
+    if isinstance(output, dict):
+        yield from part_pieces(output)
+    else:
+        yield from content_pieces(output)
+
+
+def item_pieces(it: dict[str, Any]) -> Iterator[Piece]:
+    """One input item as the model reads it (README: "How items are counted")."""
+    t = item_type(it)
+    yield PER_MESSAGE + 1
+    if t == "message":
+        yield from content_pieces(it.get("content"))
+    elif t in ("function_call", "custom_tool_call"):
+        yield from str_fields(it, "name", "arguments", "input")
+    elif t in OUTPUTS:  # function, custom tool, computer (a screenshot), local shell
+        yield from _output_pieces(it.get("output"))
+        for check in _dicts(it.get("acknowledged_safety_checks")):
+            yield from str_fields(check, "code", "message")
+    elif t in ("computer_call", "local_shell_call"):
+        yield json_text(it.get("action"))
+        for check in _dicts(it.get("pending_safety_checks")):
+            yield from str_fields(check, "code", "message")
+    elif t in ("mcp_call", "mcp_approval_request"):
+        yield from str_fields(it, "server_label", "name", "arguments", "output", "error")
+    elif t == "mcp_list_tools":
+        yield from str_fields(it, "server_label", "error")
+        for tool in _dicts(it.get("tools")):
+            yield from str_fields(tool, "name", "description")
+            for k in ("input_schema", "annotations"):
+                if tool.get(k) is not None:
+                    yield json_text(tool[k])
+    elif t == "mcp_approval_response":
+        yield from str_fields(it, "reason")
+    elif t == "file_search_call":
+        queries = it.get("queries")
+        if isinstance(queries, list):
+            yield from (q for q in queries if isinstance(q, str))
+        for r in _dicts(it.get("results")):
+            yield from str_fields(r, "filename", "text")
+    elif t == "web_search_call":
+        if it.get("action") is not None:
+            yield json_text(it["action"])
+    elif t == "reasoning":
+        for part in _dicts(it.get("summary")) + _dicts(it.get("content")):
+            yield from str_fields(part, "text")
+        # opaque to the gateway: estimated at ~4 characters a token, never tokenized
+        yield len(str(it.get("encrypted_content") or "")) // 4
+    elif t == "image_generation_call":
+        if isinstance(it.get("result"), str):  # the generated image, raw base64
+            yield media.openai_b64_image(it["result"])
+    elif t == "code_interpreter_call":
+        yield from str_fields(it, "code")
+        for out in _dicts(it.get("outputs")):
+            if out.get("type") == "image":
+                yield media.openai_image(out.get("url"), None)
+            else:
+                yield from str_fields(out, "logs")
+    elif t != "item_reference":  # a reference is the id of an item the server holds
+        yield from media.opaque(it)
 
 
 class OpenAIResponses(Wire):
@@ -205,15 +282,7 @@ class OpenAIResponses(Wire):
         return b'[{"role":"user","content":' + value + b"}]" if value[:1] == b'"' else None
 
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
-        n = PER_MESSAGE + 1 + content_tokens(_text_of(item), counter)
-        if item_type(item) in CALLS:
-            n += counter.count(str(item.get("name", "")))
-        elif item_type(item) == "reasoning":
-            for s in item.get("summary") or []:
-                if isinstance(s, dict):
-                    n += counter.count(str(s.get("text", "")))
-            n += len(str(item.get("encrypted_content") or "")) // 4
-        return n
+        return counter.count_pieces(item_pieces(item)) if isinstance(item, dict) else 0
 
     def item_chars(self, item: Any) -> int:
         return content_chars(_text_of(item)) if isinstance(item, dict) else 0
