@@ -115,8 +115,10 @@ def create_app(
     state.memory = MemoryService(env or {}, log)
     state.metrics.watch_history(state.history)
 
-    # the body limit is enforced per request from the live rules (it can be reloaded)
-    app = web.Application(client_max_size=1 << 40)
+    # the body limit is enforced per request from the live rules (it can be reloaded);
+    # bodies arrive as the client sent them: passthrough relays them so, and read_body
+    # decodes a compressed one within that limit (aiohttp would inflate it unbounded)
+    app = web.Application(client_max_size=1 << 40, handler_args={"auto_decompress": False})
     app[STATE] = state
 
     async def resources(app: web.Application) -> AsyncIterator[None]:

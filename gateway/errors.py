@@ -2,7 +2,8 @@
 
     GatewayError                 base: carries an HTTP status and a code
     ├── BadRequest               400: the client's body breaks a gateway rule
-    ├── PayloadTooLarge          413: body over limits.max_body_bytes
+    ├── PayloadTooLarge          413: body over limits.max_body_bytes (also once decoded)
+    ├── UnsupportedEncoding      415: a Content-Encoding the gateway cannot decode
     ├── OverBudget               400: on_over_budget=reject and the forced part is too big
     ├── UpstreamUnreachable      502: connect refused / DNS / reset before a response
     └── UpstreamTimeout          504: connect or read timeout before a response
@@ -40,6 +41,11 @@ class PayloadTooLarge(GatewayError):
     code = "payload_too_large"
 
 
+class UnsupportedEncoding(GatewayError):
+    status = 415
+    code = "unsupported_content_encoding"
+
+
 class OverBudget(GatewayError):
     status = 400
     code = "context_over_budget"
@@ -70,6 +76,7 @@ def render_error(err: GatewayError, flavor: ApiFlavor = "openai") -> bytes:
         anthropic_type = {
             400: "invalid_request_error",
             413: "request_too_large",
+            415: "invalid_request_error",
             502: "api_error",
             504: "timeout_error",
         }.get(err.status, "api_error")

@@ -18,6 +18,7 @@ from .app import STATE, GatewayState
 from .capture import record as capture_record
 from .chat import Decision, decide
 from .errors import ApiFlavor, GatewayError, PayloadTooLarge, render_error
+from .inflate import Inflater
 from .recall import archive_records, recall
 from .rules import Rules
 from .session import session_id, tenant_of
@@ -44,27 +45,48 @@ def error_response(err: GatewayError, flavor: ApiFlavor) -> web.Response:
     )
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole request body, or PayloadTooLarge as soon as it passes `limit`."""
+def _too_large(limit: int, declared: int | None = None) -> PayloadTooLarge:
+    if declared is not None:
+        return PayloadTooLarge(f"request body is {declared} bytes; the gateway accepts at most "
+                               f"{limit} (limits.max_body_bytes)")
+    return PayloadTooLarge(f"request body is over {limit} bytes, the most the gateway accepts "
+                           "(limits.max_body_bytes)")
+
+
+async def read_body(request: web.Request, limit: int, decode: bool = True) -> bytes:
+    """The whole request body, or PayloadTooLarge as soon as it passes `limit`.
+
+    The server does not decompress bodies (create_app turns aiohttp's auto_decompress off):
+    with `decode`, a gzip/deflate body is inflated here, and `limit` bounds what it
+    inflates to as well as what arrived; without it, the bytes come as the client sent them.
+    """
     declared = request.content_length
     if declared is not None and declared > limit:
-        raise PayloadTooLarge(
-            f"request body is {declared} bytes; the gateway accepts at most {limit} "
-            "(limits.max_body_bytes)"
-        )
-    if declared is not None:
+        raise _too_large(limit, declared)
+    inflate = Inflater.for_encoding(request.headers.get("Content-Encoding"), limit) \
+        if decode else None
+    if inflate is None and declared is not None:
         return await request.read()
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.content.iter_any():
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(
-                f"request body is over {limit} bytes, the most the gateway accepts "
-                "(limits.max_body_bytes)"
-            )
-        chunks.append(chunk)
+            raise _too_large(limit)
+        chunks.append(inflate.feed(chunk) if inflate is not None else chunk)
+    if inflate is not None:
+        inflate.finish()
     return b"".join(chunks)
+
+
+def as_decoded(request: web.Request) -> web.Request:
+    """The request as forwarded once read_body decoded its body: no Content-Encoding
+    (the Content-Length is recomputed from the bytes sent)."""
+    if "Content-Encoding" not in request.headers:
+        return request
+    headers = request.headers.copy()
+    del headers["Content-Encoding"]
+    return request.clone(headers=headers)
 
 
 def _text(content: Any) -> str:
@@ -152,6 +174,7 @@ def intercept(wire: Wire) -> Handler:
         try:
             try:
                 raw = await read_body(request, rules.max_body_bytes)
+                request = as_decoded(request)
                 if _unchangeable(state, rules, wire, raw):
                     # nothing a decision could change: the client's bytes go upstream now,
                     # the measuring and the [mem] line follow the response
@@ -426,7 +449,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         # chunked, no declared length: read up to the limit first, so a body over it is a
         # clean 413 and the upstream never sees half a request
         try:
-            body = await read_body(request, rules.max_body_bytes)
+            body = await read_body(request, rules.max_body_bytes, decode=False)
         except GatewayError as err:
             return error_response(err, flavor)
     up = rules.upstream_for(request.path, None)

@@ -1,0 +1,177 @@
+"""Bounded inputs: compressed bodies, config files, paths, log values, malformed HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import zlib
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from .conftest import GatewayFactory, sample
+
+
+class RawUpstream:
+    """An upstream that records what arrived on the wire: no decompression, raw path."""
+
+    def __init__(self) -> None:
+        self.received: list[dict[str, Any]] = []
+        self.server: TestServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return str(self.server.make_url("")).rstrip("/")
+
+    async def handle(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        self.received.append({"path": request.raw_path, "raw": raw,
+                              "headers": request.headers.copy()})
+        if request.path.endswith("/chat/completions"):
+            return web.json_response({"id": "chatcmpl-raw", "object": "chat.completion",
+                                      "choices": [], "model": "gpt-4o-mini"})
+        return web.Response(body=b"relayed", content_type="text/plain")
+
+
+@pytest.fixture
+async def raw_upstream(aiohttp_server: Any) -> RawUpstream:
+    rec = RawUpstream()
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_route("*", "/{tail:.*}", rec.handle)
+    rec.server = await aiohttp_server(app, auto_decompress=False)
+    return rec
+
+
+async def raw_http(port: int, request: bytes, timeout_s: float = 5.0) -> bytes:
+    """Send bytes as they are (no client normalises the path) and read the whole answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), timeout_s)
+    finally:
+        writer.close()
+
+
+def http_post(path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+    head = {"Host": "127.0.0.1", "Content-Type": "application/json",
+            "Content-Length": str(len(body)), "Connection": "close", **(headers or {})}
+    lines = "".join(f"{k}: {v}\r\n" for k, v in head.items())
+    return f"POST {path} HTTP/1.1\r\n{lines}\r\n".encode() + body
+
+
+def split_response(data: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for ln in lines[1:]:
+        k, _, v = ln.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    return int(lines[0].split()[1]), headers, body
+
+
+def port_of(gw: Any) -> int:
+    port: int = gw.server.port
+    return port
+
+
+# --------------------------------------------------------------------------- 5: encodings
+
+
+def chat_body(n_chars: int = 0) -> bytes:
+    body = sample("chat_short")
+    body["messages"][-1]["content"] += "x" * n_chars
+    return orjson.dumps(body)
+
+
+async def test_gzip_bomb_is_413_on_the_decoded_size(
+        gateway: GatewayFactory, raw_upstream: RawUpstream) -> None:
+    """A 48 KB gzip body that inflates past limits.max_body_bytes is a 413 in the API's
+    error shape, measured on what it decodes to; nothing reaches the upstream."""
+    gw = await gateway(upstream_url=raw_upstream.url, limits={"max_body_bytes": 65536})
+    bomb = gzip.compress(chat_body(48 << 20), 9)
+    assert len(bomb) < 65536
+    for path, flavor in (("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")):
+        status, _, body = split_response(await raw_http(port_of(gw), http_post(
+            path, bomb, {"Content-Encoding": "gzip"})))
+        assert status == 413
+        err = orjson.loads(body)
+        if flavor == "openai":
+            assert err["error"]["code"] == "payload_too_large"
+            assert "65536" in err["error"]["message"]
+        else:
+            assert err["type"] == "error" and err["error"]["type"] == "request_too_large"
+    assert raw_upstream.received == []
+
+
+@pytest.mark.parametrize("encoding,encode", [
+    ("gzip", gzip.compress),
+    ("x-gzip", gzip.compress),
+    ("deflate", zlib.compress),  # RFC 1950: zlib wrapper
+    ("deflate", lambda b: zlib.compress(b)[2:-4]),  # raw deflate, as some clients send it
+    ("GZIP", lambda b: gzip.compress(b[:20]) + gzip.compress(b[20:])),  # two members
+])
+async def test_decoded_body_goes_up_without_encoding_header(
+        gateway: GatewayFactory, raw_upstream: RawUpstream, encoding: str, encode: Any) -> None:
+    """A compressed chat body is decoded, and forwarded as what it decodes to: no
+    Content-Encoding header, a Content-Length that matches."""
+    gw = await gateway(upstream_url=raw_upstream.url)
+    body = chat_body()
+    status, _, _ = split_response(await raw_http(port_of(gw), http_post(
+        "/v1/chat/completions", encode(body), {"Content-Encoding": encoding})))
+    assert status == 200
+    got = raw_upstream.received[-1]
+    assert got["raw"] == body
+    assert "Content-Encoding" not in got["headers"]
+    assert got["headers"]["Content-Length"] == str(len(body))
+    (event,) = await gw.wait_mem(1)
+    assert event["hist_msgs"] == str(len(sample("chat_short")["messages"]))
+
+
+async def test_passthrough_relays_compressed_body_as_sent(
+        gateway: GatewayFactory, raw_upstream: RawUpstream) -> None:
+    """Other routes relay the client's bytes: the compressed body whole, its encoding
+    header kept (it was cut to the compressed length of the decoded bytes)."""
+    gw = await gateway(upstream_url=raw_upstream.url)
+    payload = orjson.dumps({"input": "y" * 200_000, "model": "text-embedding-3-small"})
+    packed = gzip.compress(payload)
+    status, _, body = split_response(await raw_http(port_of(gw), http_post(
+        "/v1/embeddings", packed, {"Content-Encoding": "gzip"})))
+    assert (status, body) == (200, b"relayed")
+    got = raw_upstream.received[-1]
+    assert got["raw"] == packed
+    assert got["headers"]["Content-Encoding"] == "gzip"
+    # chunked (no Content-Length): read up to the limit, relayed as sent too
+    chunked = (b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+               b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+               + f"{len(packed):x}\r\n".encode() + packed + b"\r\n0\r\n\r\n")
+    status, _, _ = split_response(await raw_http(port_of(gw), chunked))
+    assert status == 200 and raw_upstream.received[-1]["raw"] == packed
+
+
+@pytest.mark.parametrize("encoding,body,status,code", [
+    ("gzip", b"\x1f\x8b\x08\x00garbage-not-gzip", 400, "invalid_request"),
+    ("gzip", gzip.compress(b'{"model": "gpt-4o-mini", "messages": []}')[:-12], 400,
+     "invalid_request"),  # truncated
+    ("deflate", b"not deflate at all", 400, "invalid_request"),
+    ("br", b"\x0b\x02\x80{}\x03", 415, "unsupported_content_encoding"),
+    ("zstd", b"(\xb5/\xfd", 415, "unsupported_content_encoding"),
+])
+async def test_bad_or_unknown_encoding_is_a_shaped_error(
+        gateway: GatewayFactory, raw_upstream: RawUpstream, encoding: str, body: bytes,
+        status: int, code: str) -> None:
+    """Invalid gzip/deflate is a 400, an encoding the gateway cannot read a 415: JSON in
+    the API's shape (the Anthropic route too), never a bare 500 or plain text."""
+    gw = await gateway(upstream_url=raw_upstream.url)
+    got, headers, out = split_response(await raw_http(port_of(gw), http_post(
+        "/v1/chat/completions", body, {"Content-Encoding": encoding})))
+    assert got == status and headers["content-type"].startswith("application/json")
+    assert orjson.loads(out)["error"]["code"] == code
+    got, _, out = split_response(await raw_http(port_of(gw), http_post(
+        "/v1/messages", body, {"Content-Encoding": encoding})))
+    assert got == status and orjson.loads(out)["type"] == "error"
+    assert raw_upstream.received == []
