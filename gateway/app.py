@@ -118,7 +118,8 @@ def create_app(
     # the body limit is enforced per request from the live rules (it can be reloaded);
     # bodies arrive as the client sent them: passthrough relays them so, and read_body
     # decodes a compressed one within that limit (aiohttp would inflate it unbounded)
-    app = web.Application(client_max_size=1 << 40, handler_args={"auto_decompress": False})
+    app = web.Application(client_max_size=1 << 40, handler_args={"auto_decompress": False},
+                          middlewares=[handlers.contained_paths])
     app[STATE] = state
 
     async def resources(app: web.Application) -> AsyncIterator[None]:

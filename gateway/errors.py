@@ -2,6 +2,7 @@
 
     GatewayError                 base: carries an HTTP status and a code
     ├── BadRequest               400: the client's body breaks a gateway rule
+    │   └── BadPath              400: a path with dot-segments (never routed)
     ├── PayloadTooLarge          413: body over limits.max_body_bytes (also once decoded)
     ├── UnsupportedEncoding      415: a Content-Encoding the gateway cannot decode
     ├── OverBudget               400: on_over_budget=reject and the forced part is too big
@@ -34,6 +35,10 @@ class GatewayError(Exception):
 class BadRequest(GatewayError):
     status = 400
     code = "invalid_request"
+
+
+class BadPath(BadRequest):
+    code = "invalid_path"
 
 
 class PayloadTooLarge(GatewayError):

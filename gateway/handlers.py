@@ -17,14 +17,14 @@ from . import splice
 from .app import STATE, GatewayState
 from .capture import record as capture_record
 from .chat import Decision, decide
-from .errors import ApiFlavor, GatewayError, PayloadTooLarge, render_error
+from .errors import ApiFlavor, BadPath, GatewayError, PayloadTooLarge, render_error
 from .inflate import Inflater
 from .recall import archive_records, recall
 from .rules import Rules
 from .session import session_id, tenant_of
 from .state import SessionRecord, compare_cut, fingerprint, known_prefix
 from .store import StoreError
-from .upstream import Relayed, relay
+from .upstream import Relayed, has_dot_segment, relay
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
 
@@ -32,6 +32,9 @@ _RID = re.compile(r"[^A-Za-z0-9._-]")
 # a history with more uncounted text than this is token-counted for the [mem] line on the
 # gateway's counting thread (while the upstream answers, off the event loop)
 OFFLOAD_CHARS = 65_536
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def flavor_for(path: str) -> ApiFlavor:
@@ -43,6 +46,16 @@ def error_response(err: GatewayError, flavor: ApiFlavor) -> web.Response:
     return web.Response(
         status=err.status, body=render_error(err, flavor), content_type="application/json"
     )
+
+
+@web.middleware
+async def contained_paths(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A 400 for a path with dot-segments (also as %2e%2e, ..%2f or backslashes): a
+    request never leaves its upstream's base path nor slips past a route's glob."""
+    if has_dot_segment(request.path):
+        return error_response(BadPath("request path has '.' or '..' segments; the gateway "
+                                      "does not resolve them"), flavor_for(request.path))
+    return await handler(request)
 
 
 def _too_large(limit: int, declared: int | None = None) -> PayloadTooLarge:
@@ -150,9 +163,6 @@ def mem_fields(
             f["kept_idx"] = ",".join(map(str, p.kept))
             f["dropped_idx"] = ",".join(f"{i}:{s}" for i, s in p.dropped)
     return f
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def intercept(wire: Wire) -> Handler:

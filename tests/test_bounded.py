@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from .conftest import GatewayFactory, sample
+from .conftest import SECRET, GatewayFactory, sample
 
 
 class RawUpstream:
@@ -175,3 +175,56 @@ async def test_bad_or_unknown_encoding_is_a_shaped_error(
         "/v1/messages", body, {"Content-Encoding": encoding})))
     assert got == status and orjson.loads(out)["type"] == "error"
     assert raw_upstream.received == []
+
+
+# --------------------------------------------------------------------------- 8: dot segments
+
+ESCAPES = [
+    "/v1/messages/../../../../v1/organizations/keys",
+    "/v1/messages/%2e%2e/%2E%2E/v1/organizations/keys",
+    "/v1/messages/..%2f..%2fv1/organizations/keys",
+    "/v1/messages/..\\..\\v1/organizations/keys",
+    "/v1/../../etc/passwd",
+    "/v1/./../etc/passwd",
+    "/v1/chat/completions/..",
+]
+
+
+@pytest.mark.parametrize("path", ESCAPES)
+async def test_dot_segments_never_leave_the_base_path(
+        gateway: GatewayFactory, raw_upstream: RawUpstream, path: str) -> None:
+    """A path with `.`/`..` segments (also percent-encoded, or with backslashes) is a 400
+    in the API's shape before routing: it never gets the Anthropic route's injected key,
+    never reaches a path outside the upstream's base URL."""
+    gw = await gateway(
+        upstream_url=raw_upstream.url + "/prefix/v1", env={"MEMGATE_TEST_KEY": SECRET},
+        upstreams=[
+            {"name": "anthropic", "base_url": raw_upstream.url + "/anthropic",
+             "paths": ["/v1/messages*"], "api_key_env": "MEMGATE_TEST_KEY",
+             "api_key_header": "x-api-key"},
+            {"name": "openai", "base_url": raw_upstream.url + "/prefix/v1", "paths": ["/*"]},
+        ])
+    for method in ("GET", "POST"):
+        req = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+               "Connection: close\r\n\r\n{}").encode()
+        status, headers, body = split_response(await raw_http(port_of(gw), req))
+        assert status == 400, (status, body)
+        assert headers["content-type"].startswith("application/json")
+        err = orjson.loads(body)
+        if path.startswith("/v1/messages"):
+            assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        else:
+            assert err["error"]["code"] == "invalid_path"
+    assert raw_upstream.received == []
+
+
+async def test_plain_paths_still_reach_the_base_path(
+        gateway: GatewayFactory, raw_upstream: RawUpstream) -> None:
+    """Dots inside a segment (a model name) are no dot-segment: relayed under the base."""
+    base = raw_upstream.url + "/prefix/v1"  # MEMGATE_UPSTREAM overrides the config's
+    gw = await gateway(upstream_url=base, upstreams=[
+        {"name": "openai", "base_url": base, "paths": ["/*"]}])
+    status, _, body = split_response(await raw_http(port_of(gw), (
+        b"GET /v1/models/gpt-4.1..mini?x=/../ HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")))
+    assert status == 200, body
+    assert raw_upstream.received[-1]["path"] == "/prefix/v1/models/gpt-4.1..mini?x=/../"
