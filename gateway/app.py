@@ -134,7 +134,7 @@ def create_app(
         loop = asyncio.get_running_loop()
         hup = False
         try:
-            loop.add_signal_handler(signal.SIGHUP, reloader.reload, "sighup")
+            loop.add_signal_handler(signal.SIGHUP, reloader.hup)
             hup = True
         except (RuntimeError, NotImplementedError, ValueError):
             pass  # not the main thread (tests) or no signals on this platform

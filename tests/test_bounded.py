@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -12,7 +14,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from .conftest import SECRET, GatewayFactory, sample
+from gateway.errors import RulesError
+from gateway.rules import load_rules
+
+from .conftest import SECRET, GatewayFactory, Upstream, sample
 
 
 class RawUpstream:
@@ -175,6 +180,112 @@ async def test_bad_or_unknown_encoding_is_a_shaped_error(
         "/v1/messages", body, {"Content-Encoding": encoding})))
     assert got == status and orjson.loads(out)["type"] == "error"
     assert raw_upstream.received == []
+
+
+# --------------------------------------------------------------------------- 6, 7: config
+
+BILLION_LAUGHS = """\
+a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]
+e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]
+f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]
+g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]
+h: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]
+i: &i [*h,*h,*h,*h,*h,*h,*h,*h,*h]
+"""
+DEEP = "memory: " + "[" * 5000 + "]" * 5000 + "\n"
+BAD_FILES = {
+    "billion_laughs": BILLION_LAUGHS,
+    "deep": DEEP,
+    "deep_block": "".join(" " * i + f"k{i}:\n" for i in range(1200)),  # 1,200: under 1 MiB
+    "recursive_alias": "memory: &m\n  budget: *m\n",
+    "huge": "listen:\n  host: " + "x" * (2 << 20) + "\n",
+    "empty": "",
+    "comments_only": "# nothing here\n",
+    "null": "~\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_hostile_config_is_refused_quickly(name: str, tmp_path: Path) -> None:
+    """Alias bombs, deep nesting, recursive aliases, oversized and empty files: a
+    RulesError naming the bound, in well under a second (also `memgate check-config`)."""
+    from gateway.cli import main
+
+    path = tmp_path / "gateway.yaml"
+    path.write_text(BAD_FILES[name], encoding="utf-8")
+    t0 = time.perf_counter()
+    with pytest.raises(RulesError) as exc:
+        load_rules(path, {})
+    assert time.perf_counter() - t0 < 1.0
+    assert exc.value.file == str(path)
+    t0 = time.perf_counter()
+    assert main(["check-config", str(path)]) == 1
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_small_aliases_still_load(tmp_path: Path) -> None:
+    """Aliases are not refused as such: a config reusing a small mapping loads."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(
+        "upstreams:\n"
+        "  - {name: openai, base_url: 'http://127.0.0.1:1', paths: &all ['/*'], <<: &t\n"
+        "      {connect_timeout_s: 3, read_timeout_s: 9}}\n"
+        "  - {name: other, base_url: 'http://127.0.0.1:2', paths: *all, <<: *t}\n",
+        encoding="utf-8")
+    rules = load_rules(path, {})
+    assert [(u.connect_timeout_s, u.read_timeout_s, u.paths) for u in rules.upstreams] == [
+        (3.0, 9.0, ("/*",))] * 2
+
+
+@pytest.mark.parametrize("name", ["billion_laughs", "deep", "empty", "null"])
+async def test_reload_refuses_hostile_file_and_keeps_watching(
+        gateway: GatewayFactory, upstream: Upstream, name: str) -> None:
+    """A hostile or empty file on reload: the loop keeps answering, the refusal is logged
+    with its reason, the last good config keeps serving, and the next valid edit (within
+    the poll interval) is applied."""
+    gw = await gateway()
+    good = gw.state.rules
+    text = gw.config.read_text()
+    gw.config.write_text(BAD_FILES[name])
+    deadline = time.monotonic() + 5
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        while "config_reload result=failed" not in gw.log.getvalue():
+            t0 = time.monotonic()
+            async with s.get(gw.url + "/healthz") as r:
+                assert r.status == 200
+            assert time.monotonic() - t0 < 0.5  # the event loop is not frozen
+            assert time.monotonic() < deadline, gw.log.getvalue()
+            await asyncio.sleep(0.02)
+    failed = [ln for ln in gw.log.getvalue().splitlines() if "result=failed" in ln]
+    assert "reason=" in failed[0]
+    assert gw.state.rules is good
+    gw.config.write_text(text.replace("enable_eviction: false", "enable_eviction: true"))
+    deadline = time.monotonic() + 2
+    while gw.state.rules.memory.mode != "on":
+        assert time.monotonic() < deadline, gw.log.getvalue()
+        await asyncio.sleep(0.02)
+    assert "config_reload result=ok" in gw.log.getvalue()
+
+
+def test_startup_with_empty_config_is_refused(tmp_path: Path) -> None:
+    """`memgate serve --config empty.yaml` exits 2 with a message saying why; `{}` is the
+    way to ask for all defaults."""
+    from gateway.cli import main
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--config", str(empty), "--port", "0"])
+    assert exc.value.code == 2
+    with pytest.raises(RulesError, match="empty"):
+        load_rules(empty, {})
+    empty.write_text("{}\n")
+    assert load_rules(empty, {}).memory.mode == "shadow"
 
 
 # --------------------------------------------------------------------------- 8: dot segments
