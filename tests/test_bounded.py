@@ -339,3 +339,29 @@ async def test_plain_paths_still_reach_the_base_path(
         b"GET /v1/models/gpt-4.1..mini?x=/../ HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")))
     assert status == 200, body
     assert raw_upstream.received[-1]["path"] == "/prefix/v1/models/gpt-4.1..mini?x=/../"
+
+
+# --------------------------------------------------------------------------- 11: log forging
+
+FORGING = "gpt-4o\r\n[mem] session=forged status=200\x1b[31m\u2028\x85\x0b\x0c\x7f\u202e\x00"
+
+
+async def test_control_characters_cannot_forge_mem_lines(
+        gateway: GatewayFactory, upstream: Upstream) -> None:
+    """A model name carrying CR/LF, ESC, U+2028, NEL, VT, FF, DEL, a bidi override or NUL
+    stays inside one quoted, escaped value of one printable-ASCII [mem] line."""
+    import aiohttp
+
+    gw = await gateway()
+    body = {**sample("chat_short"), "model": FORGING}
+    async with aiohttp.ClientSession() as s, s.post(
+            gw.url + "/v1/chat/completions", data=orjson.dumps(body),
+            headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 200
+    await gw.wait_mem(1)
+    lines = gw.log.getvalue().splitlines()  # every separator Python knows: NEL, U+2028, VT
+    assert all(" " <= c <= "~" for ln in lines for c in ln), lines
+    (line,) = [ln for ln in lines if ln.startswith("[mem] ")]
+    quoted = line.split(" model=", 1)[1]
+    value, _ = __import__("json").JSONDecoder().raw_decode(quoted)
+    assert value == FORGING
