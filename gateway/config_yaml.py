@@ -25,13 +25,13 @@ EMPTY = ("empty document: a config file must hold a mapping (write {} for all de
          "an empty file is refused so that a write caught halfway cannot reset the config)")
 
 
-class _Refused(yaml.YAMLError):
+class _Refused(yaml.YAMLError):  # type: ignore[misc]  # no yaml stubs here
     def __init__(self, problem: str, mark: Any) -> None:
         super().__init__(problem)
         self.problem, self.problem_mark = problem, mark
 
 
-class _BoundedLoader(yaml.SafeLoader):
+class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc]
     """SafeLoader that measures every node as it composes it: (expanded size, height)."""
 
     def __init__(self, text: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import signal
 import time
 import zlib
 from pathlib import Path
@@ -17,7 +18,8 @@ from aiohttp.test_utils import TestServer
 from gateway.errors import RulesError
 from gateway.rules import load_rules
 
-from .conftest import SECRET, GatewayFactory, Upstream, sample
+from .conftest import ROOT, SECRET, GatewayFactory, Upstream, sample
+from .test_faults import start_serve
 
 
 class RawUpstream:
@@ -365,3 +367,91 @@ async def test_control_characters_cannot_forge_mem_lines(
     quoted = line.split(" model=", 1)[1]
     value, _ = __import__("json").JSONDecoder().raw_decode(quoted)
     assert value == FORGING
+
+
+# --------------------------------------------------------------------------- 12: parser errors
+
+MALFORMED = [
+    # a bare CR after the key
+    (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SECRET}\rX: y"
+     "\r\nContent-Length: 0\r\n\r\n"),
+    # a NUL after the key
+    (f"POST /v1/messages HTTP/1.1\r\nHost: x\r\nx-api-key: {SECRET}\x00\r\nContent-Length: 0"
+     "\r\n\r\n"),
+    # an 8 KB header
+    (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\napi-key: {SECRET}{'a' * 9000}\r\n"
+     "Content-Length: 0\r\n\r\n"),
+    # a key under a header name the parser refuses
+    f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nBad Header: {SECRET}\r\n\r\n",
+    # a key in an invalid request line
+    f"POST /v1/chat/completions?key={SECRET} HTTP/1.1 junk\r\nHost: x\r\n\r\n",
+    f"GET /{SECRET}\x01 HTTP/1.1\r\nHost: x\r\n\r\n",
+]
+
+
+async def test_malformed_http_never_echoes_a_key(
+        aiohttp_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`memgate serve` answers malformed requests carrying a key with a JSON 400 that does
+    not echo it, and neither its stdout nor its stderr holds the key."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the process runs this checkout's code
+    up = web.Application()
+    proc, port, log = await start_serve(str((await aiohttp_server(up)).make_url("")), tmp_path)
+    try:
+        for raw in MALFORMED:
+            data = await raw_http(port, raw.encode("latin-1"))
+            assert SECRET.encode() not in data, data
+            status, headers, body = split_response(data)
+            assert status == 400 and headers["content-type"].startswith("application/json")
+            assert orjson.loads(body)["error"]["code"] == "bad_http_request"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 15)
+    text = log.read_text(encoding="utf-8", errors="replace")
+    assert SECRET not in text and SECRET[:12] not in text, text
+    assert text.count("http_bad_request") == len(MALFORMED)
+
+
+async def test_handler_exception_is_a_json_500_without_its_text() -> None:
+    """An exception escaping a handler under GatewayRunner: a JSON 500 in the API's shape
+    and one `http_error` line naming its type and place, not its text (which may hold a
+    request's values); a handler timeout is a JSON 504."""
+    import io
+
+    import aiohttp
+    import structlog
+
+    from gateway import logging as mglog
+    from gateway.httpserver import GatewayRunner
+
+    async def boom(request: web.Request) -> web.Response:
+        raise ValueError(f"bad value {request.headers['x-api-key']}")
+
+    async def slow(request: web.Request) -> web.Response:
+        raise TimeoutError
+
+    stream = io.StringIO()
+    mglog.configure("console", "info", stream=stream)
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", boom)
+    app.router.add_post("/v1/messages", boom)
+    app.router.add_get("/slow", slow)
+    runner = GatewayRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = site.name + "/"
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "v1/chat/completions", headers={"x-api-key": SECRET}) as r:
+                assert r.status == 500
+                assert (await r.json())["error"]["code"] == "internal_error"
+            async with s.post(url + "v1/messages", headers={"x-api-key": SECRET}) as r:
+                assert r.status == 500 and (await r.json())["type"] == "error"
+            async with s.get(url + "slow") as r:
+                assert r.status == 504 and (await r.json())["error"]["code"] == "timeout"
+    finally:
+        await runner.cleanup()
+        structlog.reset_defaults()
+    log = stream.getvalue()
+    assert SECRET not in log
+    assert log.count("http_error status=500 error=ValueError where=test_bounded.py:") == 2
