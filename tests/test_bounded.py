@@ -201,7 +201,7 @@ DEEP = "memory: " + "[" * 5000 + "]" * 5000 + "\n"
 BAD_FILES = {
     "billion_laughs": BILLION_LAUGHS,
     "deep": DEEP,
-    "deep_block": "".join(" " * i + f"k{i}:\n" for i in range(1200)),  # 1,200: under 1 MiB
+    "deep_block": "".join(" " * i + f"k{i}:\n" for i in range(600)),  # 180 KB
     "recursive_alias": "memory: &m\n  budget: *m\n",
     "huge": "listen:\n  host: " + "x" * (2 << 20) + "\n",
     "empty": "",
@@ -226,6 +226,14 @@ def test_hostile_config_is_refused_quickly(name: str, tmp_path: Path) -> None:
     t0 = time.perf_counter()
     assert main(["check-config", str(path)]) == 1
     assert time.perf_counter() - t0 < 1.0
+
+
+def test_too_many_nodes_without_aliases_are_refused(tmp_path: Path) -> None:
+    """The node bound holds for plain files too: a 24 KB list of 12,000 numbers."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text("memory:\n  x: [" + ",".join(["1"] * 12_000) + "]\n", encoding="utf-8")
+    with pytest.raises(RulesError, match="more than 10000 nodes"):
+        load_rules(path, {})
 
 
 def test_small_aliases_still_load(tmp_path: Path) -> None:
