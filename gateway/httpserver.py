@@ -25,6 +25,8 @@ from .handlers import flavor_for
 
 # the parser quotes what it choked on (repr of the bytes): its message is cut there
 _QUOTE = re.compile(r"""\s*\bb?['"].*""", re.DOTALL)
+# ... and aiohttp's own log messages at the first repr they hold
+_OBJECT = re.compile(r"""[<'"].*""", re.DOTALL)
 
 
 def safe_reason(exc: BaseException | None) -> str:
@@ -34,8 +36,24 @@ def safe_reason(exc: BaseException | None) -> str:
     return "".join(c for c in first if " " <= c <= "~")[:120] or "malformed request"
 
 
+def _where(exc: BaseException | None) -> dict[str, str]:
+    """An exception's type and the file:line it was raised at; not its text, which
+    may quote a request's values."""
+    frame = traceback.extract_tb(exc.__traceback__)[-1:] if exc is not None else []
+    where = f"{frame[0].filename.rsplit('/', 1)[-1]}:{frame[0].lineno}" if frame else ""
+    return {"error": type(exc).__name__, "where": where}
+
+
 class _SafeErrors(RequestHandler):
     __slots__ = ()
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        # aiohttp's other error logs (a failure while writing a response, ...) go to
+        # `aiohttp.server` with a traceback: the same one line instead
+        exc = kw.get("exc_info")
+        what = _OBJECT.sub("", str(args[0]) if args else "")[:80].rstrip(" ,:")
+        fields = _where(exc) if isinstance(exc, BaseException) else {}
+        mglog.get_logger().error("http_server_error", what=what, **fields)
 
     def handle_error(
         self,
@@ -53,13 +71,10 @@ class _SafeErrors(RequestHandler):
             log.warning("http_bad_request", status=status, reason=reason,
                         error=type(exc).__name__, remote=request.remote)
         else:
-            # the type and where it was raised; its text may hold a request's values
-            frame = traceback.extract_tb(exc.__traceback__)[-1:] if exc is not None else []
-            where = f"{frame[0].filename.rsplit('/', 1)[-1]}:{frame[0].lineno}" if frame else ""
             err.code = "internal_error" if status == 500 else "timeout"
             err.message = "the gateway failed on this request" if status == 500 else (
                 "the gateway did not finish this request in time")
-            log.error("http_error", status=status, error=type(exc).__name__, where=where)
+            log.error("http_error", status=status, **_where(exc))
         if request.writer.output_size > 0:  # as aiohttp: too late for another response
             raise ConnectionError("response already started, cannot send the error")
         resp = web.Response(status=status, body=render_error(err, flavor_for(request.path)),

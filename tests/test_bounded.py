@@ -422,7 +422,8 @@ async def test_malformed_http_never_echoes_a_key(
 async def test_handler_exception_is_a_json_500_without_its_text() -> None:
     """An exception escaping a handler under GatewayRunner: a JSON 500 in the API's shape
     and one `http_error` line naming its type and place, not its text (which may hold a
-    request's values); a handler timeout is a JSON 504."""
+    request's values); a handler timeout is a JSON 504; aiohttp's other error logs are
+    one `http_server_error` line."""
     import io
 
     import aiohttp
@@ -434,6 +435,9 @@ async def test_handler_exception_is_a_json_500_without_its_text() -> None:
     async def boom(request: web.Request) -> web.Response:
         raise ValueError(f"bad value {request.headers['x-api-key']}")
 
+    async def no_response(request: web.Request) -> Any:
+        return None
+
     async def slow(request: web.Request) -> web.Response:
         raise TimeoutError
 
@@ -443,6 +447,7 @@ async def test_handler_exception_is_a_json_500_without_its_text() -> None:
     app.router.add_post("/v1/chat/completions", boom)
     app.router.add_post("/v1/messages", boom)
     app.router.add_get("/slow", slow)
+    app.router.add_get("/none", no_response)
     runner = GatewayRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -457,9 +462,12 @@ async def test_handler_exception_is_a_json_500_without_its_text() -> None:
                 assert r.status == 500 and (await r.json())["type"] == "error"
             async with s.get(url + "slow") as r:
                 assert r.status == 504 and (await r.json())["error"]["code"] == "timeout"
+            async with s.get(url + "none") as r:  # aiohttp's own log_exception path
+                assert r.status == 500
     finally:
         await runner.cleanup()
         structlog.reset_defaults()
     log = stream.getvalue()
     assert SECRET not in log
     assert log.count("http_error status=500 error=ValueError where=test_bounded.py:") == 2
+    assert 'http_server_error what="Missing return statement on request handler"' in log
