@@ -14,6 +14,8 @@ import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gateway.errors import RulesError
 from gateway.rules import load_rules
@@ -337,6 +339,26 @@ async def test_dot_segments_never_leave_the_base_path(
         else:
             assert err["error"]["code"] == "invalid_path"
     assert raw_upstream.received == []
+
+
+_SEGMENTS = st.sampled_from(["a", "v1", ".", "..", "...", ".a", "a.", "%2e", "%2E%2e", "%2e.",
+                             "..%2f..", "a%2f..", "..%5c..", "\\..", "", "%252e%252e"])
+
+
+@given(segments=st.lists(_SEGMENTS, max_size=8))
+def test_no_accepted_path_leaves_the_base(segments: list[str]) -> None:
+    """Any path the gateway accepts (as aiohttp decodes it) stays under the upstream's base
+    path once the upstream client (yarl) has built and normalised the URL."""
+    import yarl
+
+    from gateway.rules import Upstream as Up
+    from gateway.upstream import has_dot_segment, target_url
+
+    path = "/" + "/".join(segments)
+    if has_dot_segment(yarl.URL.build(path=path, encoded=True).path):  # refused: a 400
+        return
+    sent = yarl.URL(target_url(Up("openai", "http://127.0.0.1:1/prefix/v1"), path))
+    assert sent.path == "/prefix/v1" or sent.path.startswith("/prefix/v1/"), (path, sent)
 
 
 async def test_plain_paths_still_reach_the_base_path(
