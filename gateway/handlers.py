@@ -34,9 +34,6 @@ _RID = re.compile(r"[^A-Za-z0-9._-]")
 OFFLOAD_CHARS = 65_536
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
 def flavor_for(path: str) -> ApiFlavor:
     return "anthropic" if path.startswith("/v1/messages") else "openai"
 
@@ -76,8 +73,8 @@ async def read_body(request: web.Request, limit: int, decode: bool = True) -> by
     declared = request.content_length
     if declared is not None and declared > limit:
         raise _too_large(limit, declared)
-    inflate = Inflater.for_encoding(request.headers.get("Content-Encoding"), limit) \
-        if decode else None
+    encoding = request.headers.get("Content-Encoding") if decode else None
+    inflate = Inflater.for_encoding(encoding, limit)
     if inflate is None and declared is not None:
         return await request.read()
     chunks: list[bytes] = []
@@ -163,6 +160,9 @@ def mem_fields(
             f["kept_idx"] = ",".join(map(str, p.kept))
             f["dropped_idx"] = ",".join(f"{i}:{s}" for i, s in p.dropped)
     return f
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def intercept(wire: Wire) -> Handler:
