@@ -135,8 +135,11 @@ def create_app(
     state.metrics.watch_backends([state.store_health, state.archive_health, *(
         [state.sessions.health] if isinstance(state.sessions, RedisState) else [])])
 
-    # the body limit is enforced per request from the live rules (it can be reloaded)
-    app = web.Application(client_max_size=1 << 40)
+    # the body limit is enforced per request from the live rules (it can be reloaded);
+    # bodies arrive as the client sent them: passthrough relays them so, and read_body
+    # decodes a compressed one within that limit (aiohttp would inflate it unbounded)
+    app = web.Application(client_max_size=1 << 40, handler_args={"auto_decompress": False},
+                          middlewares=[handlers.contained_paths])
     app[STATE] = state
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
@@ -152,7 +155,7 @@ def create_app(
         loop = asyncio.get_running_loop()
         hup = False
         try:
-            loop.add_signal_handler(signal.SIGHUP, reloader.reload, "sighup")
+            loop.add_signal_handler(signal.SIGHUP, reloader.hup)
             hup = True
         except (RuntimeError, NotImplementedError, ValueError):
             pass  # not the main thread (tests) or no signals on this platform

@@ -59,7 +59,9 @@ def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
 async def serve_forever(app: Any, host: str, port: int, log: Any, drain_s: float = 30.0) -> int:
     from aiohttp import web
 
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+    from .httpserver import GatewayRunner
+
+    runner = GatewayRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=drain_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)

@@ -2,8 +2,10 @@
 
     GatewayError                 base: carries an HTTP status and a code
     ├── BadRequest               400: the client's body breaks a gateway rule
+    │   └── BadPath              400: a path with dot-segments (never routed)
     ├── Unauthorized             401: a route with the gateway's own key, caller not allowed
-    ├── PayloadTooLarge          413: body over limits.max_body_bytes
+    ├── PayloadTooLarge          413: body over limits.max_body_bytes (also once decoded)
+    ├── UnsupportedEncoding      415: a Content-Encoding the gateway cannot decode
     ├── OverBudget               400: on_over_budget=reject and the forced part is too big
     ├── UpstreamUnreachable      502: connect refused / DNS / reset before a response
     └── UpstreamTimeout          504: connect or read timeout before a response
@@ -36,6 +38,10 @@ class BadRequest(GatewayError):
     code = "invalid_request"
 
 
+class BadPath(BadRequest):
+    code = "invalid_path"
+
+
 class Unauthorized(GatewayError):
     status = 401
     code = "unauthorized"
@@ -44,6 +50,11 @@ class Unauthorized(GatewayError):
 class PayloadTooLarge(GatewayError):
     status = 413
     code = "payload_too_large"
+
+
+class UnsupportedEncoding(GatewayError):
+    status = 415
+    code = "unsupported_content_encoding"
 
 
 class OverBudget(GatewayError):
@@ -77,6 +88,7 @@ def render_error(err: GatewayError, flavor: ApiFlavor = "openai") -> bytes:
             400: "invalid_request_error",
             401: "authentication_error",
             413: "request_too_large",
+            415: "invalid_request_error",
             502: "api_error",
             504: "timeout_error",
         }.get(err.status, "api_error")

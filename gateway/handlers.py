@@ -19,12 +19,13 @@ from .app import STATE, GatewayState
 from .backends import BackendDown, iso_utc
 from .capture import record as capture_record
 from .chat import Decision, decide
-from .errors import ApiFlavor, GatewayError, PayloadTooLarge, Unauthorized, render_error
+from .errors import ApiFlavor, BadPath, GatewayError, PayloadTooLarge, Unauthorized, render_error
+from .inflate import Inflater
 from .recall import GuardedStore, archive_records, recall
 from .rules import Rules, Upstream
 from .session import client_refusal, session_id, tenant_of
 from .state import RedisState, SessionRecord, compare_cut, fingerprint, known_prefix
-from .upstream import Relayed, injected_key, relay
+from .upstream import Relayed, has_dot_segment, injected_key, relay
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
 
@@ -45,27 +46,58 @@ def error_response(err: GatewayError, flavor: ApiFlavor) -> web.Response:
     )
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole request body, or PayloadTooLarge as soon as it passes `limit`."""
+@web.middleware
+async def contained_paths(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A 400 for a path with dot-segments (also as %2e%2e, ..%2f or backslashes): a
+    request never leaves its upstream's base path nor slips past a route's glob."""
+    if has_dot_segment(request.path):
+        return error_response(BadPath("request path has '.' or '..' segments; the gateway "
+                                      "does not resolve them"), flavor_for(request.path))
+    return await handler(request)
+
+
+def _too_large(limit: int, declared: int | None = None) -> PayloadTooLarge:
+    if declared is not None:
+        return PayloadTooLarge(f"request body is {declared} bytes; the gateway accepts at most "
+                               f"{limit} (limits.max_body_bytes)")
+    return PayloadTooLarge(f"request body is over {limit} bytes, the most the gateway accepts "
+                           "(limits.max_body_bytes)")
+
+
+async def read_body(request: web.Request, limit: int, decode: bool = True) -> bytes:
+    """The whole request body, or PayloadTooLarge as soon as it passes `limit`.
+
+    The server does not decompress bodies (create_app turns aiohttp's auto_decompress off):
+    with `decode`, a gzip/deflate body is inflated here, and `limit` bounds what it
+    inflates to as well as what arrived; without it, the bytes come as the client sent them.
+    """
     declared = request.content_length
     if declared is not None and declared > limit:
-        raise PayloadTooLarge(
-            f"request body is {declared} bytes; the gateway accepts at most {limit} "
-            "(limits.max_body_bytes)"
-        )
-    if declared is not None:
+        raise _too_large(limit, declared)
+    encoding = request.headers.get("Content-Encoding") if decode else None
+    inflate = Inflater.for_encoding(encoding, limit)
+    if inflate is None and declared is not None:
         return await request.read()
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.content.iter_any():
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(
-                f"request body is over {limit} bytes, the most the gateway accepts "
-                "(limits.max_body_bytes)"
-            )
-        chunks.append(chunk)
+            raise _too_large(limit)
+        chunks.append(inflate.feed(chunk) if inflate is not None else chunk)
+    if inflate is not None:
+        inflate.finish()
     return b"".join(chunks)
+
+
+def as_decoded(request: web.Request) -> web.Request:
+    """The request as forwarded once read_body decoded its body: no Content-Encoding
+    (the Content-Length is recomputed from the bytes sent)."""
+    if "Content-Encoding" not in request.headers:
+        return request
+    headers = request.headers.copy()
+    del headers["Content-Encoding"]
+    return request.clone(headers=headers)
 
 
 def _text(content: Any) -> str:
@@ -176,6 +208,7 @@ def intercept(wire: Wire) -> Handler:
                 if up is not None:
                     _admit(rules, up, request)
                 raw = await read_body(request, rules.max_body_bytes)
+                request = as_decoded(request)
                 if up is not None and _unchangeable(state, rules, wire, raw):
                     # nothing a decision could change: the client's bytes go upstream now,
                     # the measuring and the [mem] line follow the response
@@ -504,7 +537,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         # chunked, no declared length: read up to the limit first, so a body over it is a
         # clean 413 and the upstream never sees half a request
         try:
-            body = await read_body(request, rules.max_body_bytes)
+            body = await read_body(request, rules.max_body_bytes, decode=False)
         except GatewayError as err:
             return error_response(err, flavor)
     try:

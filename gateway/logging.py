@@ -11,6 +11,7 @@ import logging
 import re
 import sys
 from collections.abc import MutableMapping
+from json.encoder import encode_basestring_ascii as _ascii_json
 from typing import Any, TextIO
 
 import orjson
@@ -23,7 +24,10 @@ MEM_FIELDS = (
 )
 _MEM_SET = frozenset(MEM_FIELDS)
 _SKIP = frozenset({"event", "level", "timestamp"})
-_QUOTED = re.compile(r'[ "=\n\t]')  # a value holding one of these is written as a JSON string
+# a value is bare only when it is printable ASCII without space, quote or '='; any
+# other is written as an ASCII-only JSON string: a client's CR, LF, ESC, NEL, U+2028 or
+# bidi override cannot start a line of its own or repaint the terminal (log forging)
+_QUOTED = re.compile(r'[^!-~]|["=]')
 
 
 def _value(v: Any) -> str:
@@ -31,7 +35,7 @@ def _value(v: Any) -> str:
     if t is int:
         return str(v)
     if t is str:
-        return v if v and _QUOTED.search(v) is None else orjson.dumps(v).decode()
+        return v if v and _QUOTED.search(v) is None else _ascii_json(v)
     if v is None:
         return "-"
     if t is bool:
@@ -40,7 +44,7 @@ def _value(v: Any) -> str:
         return f"{v:.2f}"
     s = str(v)
     if not s or _QUOTED.search(s) is not None:
-        return orjson.dumps(s).decode()
+        return _ascii_json(s)
     return s
 
 

@@ -2,8 +2,11 @@
 
 Polling `stat()` (following symlinks) catches in-place writes, atomic renames
 and Kubernetes ConfigMap `..data` symlink swaps alike, with no extra
-dependency. SIGHUP forces a reload. A file that fails to load is logged once
-(file, line, key, reason) and the last good Rules keeps serving.
+dependency. SIGHUP forces a reload. Files are read and validated on a worker
+thread (within config_yaml's bounds): a hostile file costs that thread a few
+milliseconds, never the event loop. A file that fails to load, for whatever reason,
+is logged once (file, line, key, reason), the last good Rules keeps serving and the
+watcher keeps watching.
 """
 
 from __future__ import annotations
@@ -58,29 +61,41 @@ class Reloader:
         self.failed = 0
         self._failing = False
         self.last: tuple[float, str, str | None] | None = None  # /readyz: when, ok|failed, why
+        self._lock = asyncio.Lock()  # a SIGHUP during a watch reload waits for it
+        self._pending: set[asyncio.Task[bool]] = set()
 
     def _files_of(self, rules: Rules) -> list[Path]:
         if self.config is None:
             return []
         return [self.config, *(Path(p) for p in (rules.models_path, rules.carry_path) if p)]
 
-    def reload(self, reason: str) -> bool:
+    async def reload(self, reason: str) -> bool:
         """Try to load the config now; swap on success. Returns True if swapped."""
         if self.config is None:
             return False
-        self._sig = _signature(self._files)
-        try:
-            new = load_rules(self.config, self.env)
-        except RulesError as exc:
-            self.last = (time.time(), "failed", str(exc))
-            self.failed += 1
-            self._failing = True
-            self.on_result("failed")
-            self.log.error(
-                "config_reload", result="failed", trigger=reason, file=exc.file,
-                line=exc.line, key=exc.key, reason=exc.reason,
-            )
-            return False
+        async with self._lock:
+            self._sig = _signature(self._files)
+            loop = asyncio.get_running_loop()
+            try:
+                new = await loop.run_in_executor(None, load_rules, self.config, self.env)
+            except Exception as exc:  # noqa: BLE001 - no file may stop the watcher
+                err = exc if isinstance(exc, RulesError) else RulesError(
+                    str(self.config), None, "<file>", f"{type(exc).__name__}: {exc}"[:300])
+                self._refused(reason, err)
+                return False
+            return self._swap(reason, new)
+
+    def _refused(self, reason: str, exc: RulesError) -> None:
+        self.last = (time.time(), "failed", str(exc))
+        self.failed += 1
+        self._failing = True
+        self.on_result("failed")
+        self.log.error(
+            "config_reload", result="failed", trigger=reason, file=exc.file,
+            line=exc.line, key=exc.key, reason=exc.reason,
+        )
+
+    def _swap(self, reason: str, new: Rules) -> bool:
         self.last = (time.time(), "ok", None)
         old = self.rules
         self._files = self._files_of(new)
@@ -101,16 +116,22 @@ class Reloader:
         )
         return True
 
-    def check(self) -> bool:
+    async def check(self) -> bool:
         """Reload if any watched file changed since the last look."""
         if self.config is None:
             return False
         sig = _signature(self._files)
         if sig == self._sig:
             return False
-        return self.reload("watch")
+        return await self.reload("watch")
+
+    def hup(self) -> None:
+        """SIGHUP: reload now (the task is kept until done, so it is not collected)."""
+        task = asyncio.ensure_future(self.reload("sighup"))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            self.check()
+            await self.check()

@@ -21,6 +21,7 @@ import yaml
 
 from .carry.rules import CarryPatterns, load_carry_patterns
 from .carry.snapshot import ALL_FIELDS, CarryRules
+from .config_yaml import load_yaml
 from .errors import RulesError
 from .store.model import StoreRules, check_tags, parse_window
 
@@ -209,13 +210,9 @@ class Rules:
 _Lines = dict[str, int]
 
 
-def _line_map(text: str) -> _Lines:
+def _line_map(root: yaml.Node) -> _Lines:
     """Dotted key path -> 1-based line of its key, for error messages."""
     lines: _Lines = {}
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return lines
 
     def walk(node: yaml.Node, prefix: str) -> None:
         if isinstance(node, yaml.MappingNode):
@@ -229,8 +226,7 @@ def _line_map(text: str) -> _Lines:
                 lines[path] = item.start_mark.line + 1
                 walk(item, path)
 
-    if root is not None:
-        walk(root, "")
+    walk(root, "")
     return lines
 
 
@@ -664,18 +660,8 @@ def _parse_models(r: _Reader, data: Any) -> tuple[tuple[ModelInfo, ...], str, in
 
 
 def _load_yaml(path: Path) -> tuple[Any, _Lines]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RulesError(str(path), None, "<file>", f"cannot read: {exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise RulesError(str(path), line, "<yaml>", f"invalid YAML: {problem}") from None
-    return data, _line_map(text)
+    data, root = load_yaml(path)
+    return data, _line_map(root)
 
 
 def _env_bool(env: Mapping[str, str], name: str) -> bool | None:

@@ -113,6 +113,15 @@ class UpstreamPool:
             await s.close()
 
 
+def has_dot_segment(path: str) -> bool:
+    """Does this (percent-decoded) path hold a `.` or `..` segment, `\\` counting as `/`?
+    Such a path could climb out of an upstream's base URL or past a route's glob once
+    something on the way normalises it, so it is refused before routing."""
+    if "." not in path:
+        return False
+    return any(seg in (".", "..") for seg in path.replace("\\", "/").split("/"))
+
+
 def target_url(up: Upstream, path_qs: str) -> str:
     """base_url + the client's path; a base ending in /v1 does not double it."""
     base = up.base_url

@@ -58,7 +58,9 @@ async def test_metrics_count_requests_drops_and_reloads(
     assert "secret-session-name" not in text and SECRET not in text
 
 
-_FIELD_VALUES = (st.text(alphabet=st.sampled_from(list('ab= "\n\t\\é-_.订')), max_size=8)
+_FIELD_VALUES = (st.text(alphabet=st.sampled_from(list('ab= "\n\t\\é-_.订\r\x1b\x0b\x0c\x7f\x00'
+                                                        '\x85\u2028\u2029\u202e\U0001f600')),
+                         max_size=8)
                  | st.integers(-10**12, 10**12) | st.booleans() | st.none()
                  | st.floats(allow_nan=False, allow_infinity=False, width=32))
 
@@ -68,12 +70,15 @@ _FIELD_VALUES = (st.text(alphabet=st.sampled_from(list('ab= "\n\t\\é-_.订')), 
                               _FIELD_VALUES, max_size=9))
 def test_console_mem_line_reads_back(fields: dict[str, Any]) -> None:
     """`[mem] k=v ...`: the seed's fields first in its order, then the rest as logged; a
-    value is bare unless it is empty or holds a space, quote, '=', newline or tab, then it
-    is a JSON string; None is '-', booleans true/false, floats two decimals."""
+    value is bare unless it is empty or holds anything but printable ASCII (a space, a
+    control character, U+2028, any non-ASCII) or a quote or '=', then it is an ASCII-only
+    JSON string: the line is one line of printable ASCII whatever the values hold; None
+    is '-', booleans true/false, floats two decimals."""
     from gateway.logging import MEM_FIELDS, ConsoleRenderer
 
     line = ConsoleRenderer()(None, "info", {"event": "mem", "level": "info", **fields})
     assert line.startswith("[mem] ")
+    assert all(" " <= c <= "~" for c in line), repr(line)
     rest, got = line[len("[mem] "):], {}
     while rest:
         key, _, rest = rest.partition("=")
@@ -87,7 +92,7 @@ def test_console_mem_line_reads_back(fields: dict[str, Any]) -> None:
         rest = rest[end + 1:]
         v = fields[key]
         if isinstance(v, str):
-            assert quoted == (not v or any(c in v for c in ' "=\n\t'))
+            assert quoted == (not v or any(not "!" <= c <= "~" or c in '"=' for c in v))
     want_order = [k for k in MEM_FIELDS if k in fields] + [k for k in fields
                                                            if k not in MEM_FIELDS]
     assert list(got) == want_order

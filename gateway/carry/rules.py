@@ -13,8 +13,8 @@ from re import _casefix, _constants, _parser  # type: ignore[attr-defined]
 from typing import Any
 
 import ahocorasick_rs
-import yaml
 
+from ..config_yaml import load_yaml
 from ..errors import RulesError
 
 PICKS = ("latest", "earlier", "later")
@@ -333,10 +333,7 @@ def _compile(file: str, key: str, pattern: Any) -> re.Pattern[str]:
 
 def load_carry_patterns(path: Path) -> CarryPatterns:
     file = str(path)
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise RulesError(file, None, "<file>", f"cannot load: {exc}") from None
+    data, _ = load_yaml(path)  # within bounds: it is hot-reloaded with the config
     if not isinstance(data, dict):
         raise RulesError(file, None, "<file>", "must be a mapping")
     unknown = set(data) - {"refs", "deictics", "task_state", "small_talk", "output_verbs", "note"}
