@@ -22,6 +22,7 @@ from .conversation import Conversation, Unplannable
 from .errors import BadRequest, OverBudget
 from .history import HistoryCache, View
 from .policy import Limits, Plan, PlanRules, plan
+from .policy.compact import compact_text, eligible, with_text
 from .rules import Rules
 from .splice import Splice
 from .tokens import TokenCounter, Tokenizers
@@ -53,6 +54,10 @@ class Decision:
     view: View | None = None  # what the session's history cache gave this request
     _msg_tokens: list[int] | None = None  # per message, -1 = not counted yet
     spliced_from: Splice | None = None  # the session's earlier body this one was parsed from
+    # compact_tools: per item, the (path, new text) of its compacted tool results, and
+    # the item's tokens with them (the planner counts these instead)
+    compacted: dict[int, list[tuple[Any, str]]] = field(default_factory=dict)
+    compact_tokens: dict[int, int] = field(default_factory=dict)
 
     @property
     def messages(self) -> list[Any]:
@@ -74,6 +79,18 @@ class Decision:
             n = counts[i] = self._scaled(self.wire.item_tokens(self.messages[i], self.counter))
         return n
 
+    def planned_tokens(self, i: int) -> int:
+        """Item i's tokens as forwarded: compacted, or as the client sent it."""
+        n = self.compact_tokens.get(i)
+        return self.message_tokens(i) if n is None else n
+
+    def compacted_kept(self) -> tuple[int, int]:
+        """(kept items with a compacted tool result, the tokens that saved)."""
+        if not self.compacted or self.plan is None:
+            return 0, 0
+        kept = [i for i in self.plan.kept if i in self.compact_tokens]
+        return len(kept), sum(self.message_tokens(i) - self.compact_tokens[i] for i in kept)
+
     def overhead_tokens(self) -> int:
         if self._overhead is None:
             self._overhead = (self._scaled(self.wire.overhead_tokens(self.payload, self.counter))
@@ -83,7 +100,7 @@ class Decision:
     def kept_tokens(self) -> int:
         """Estimated tokens of the request with only the plan's kept messages."""
         assert self.plan is not None
-        return self.overhead_tokens() + sum(self.message_tokens(i) for i in self.plan.kept)
+        return self.overhead_tokens() + sum(self.planned_tokens(i) for i in self.plan.kept)
 
     def uncounted_chars(self) -> int:
         """Characters of the messages whose tokens the session's cache does not hold
@@ -177,7 +194,7 @@ def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
             max_messages=m.budget.max_messages,
             max_turns=m.budget.max_turns,
         ),
-        order=m.eviction.order,
+        order=tuple(s for s in m.eviction.order if s != "compact_tools"),  # see _compact
         keep_pinned=m.eviction.keep_pinned,
         max_pinned=m.eviction.max_pinned,
         drop_unit=m.eviction.drop_unit,
@@ -254,6 +271,9 @@ def _plan_into(
         counted_by = (d.counter, d.token_factor)  # not the session `key`
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
                       tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by)
+        if d.plan.dropped and "compact_tools" in rules.memory.eviction.order and _compact(d, rules):
+            d.plan = plan(d.conv, prules, d.planned_tokens, overhead_tokens=overhead,
+                          tokens_key=counted_by)
         if d.mode == "on" and (d.plan.dropped or recalled) and _carry_note(
                 d, rules, items, recalled):
             # the note is counted into the budget: plan again unless it fits the slack
@@ -261,7 +281,7 @@ def _plan_into(
             assert d.note is not None
             narrower = _minus_note(prules, d)
             if not _fits(d.plan, narrower.limits):
-                d.plan = plan(d.conv, narrower, d.message_tokens, overhead_tokens=overhead,
+                d.plan = plan(d.conv, narrower, d.planned_tokens, overhead_tokens=overhead,
                               tokens_key=counted_by)
         if (
             d.mode == "on"
@@ -279,18 +299,49 @@ def _plan_into(
         kept = d.plan.kept
         d.cache_marker_dropped = wire.cache_markers and any(
             not _holds(kept, i) for i in d.conv.cache_marked)
-    if d.mode == "on" and d.plan is not None and (d.plan.dropped or d.note):
+    if d.mode == "on" and d.plan is not None and (d.plan.dropped or d.note or d.compacted):
         marker_at = None
         if d.cache_marker_dropped and rules.memory.eviction.move_cache_marker:
             marker_at = _end_of_stable_prefix(d.conv, d.plan)
             d.cache_marker_moved = marker_at is not None
         _forward(d, wire.build_body(raw, payload, list(d.plan.kept), marker_at, d.note,
                                     current_turn_start(d.conv) if d.note else None,
-                                    d.conv.has_metadata))
+                                    d.conv.has_metadata,
+                                    {i: d.compacted[i] for i in d.plan.kept if i in d.compacted}))
     elif d.conv.has_metadata:
         # gateway metadata is ours: upstreams never see it, whatever the mode
         _forward(d, wire.build_body(raw, payload, list(range(len(items)))))
     return d
+
+
+def _compact(d: Decision, rules: Rules) -> bool:
+    """The compact_tools stage, run when the plan had to drop: every eligible tool result
+    compacted (each a function of its text and the rules), the conversation's sizes and
+    the planner's counts made those of the compacted items; True if any was."""
+    conv = d.conv
+    assert conv is not None
+    crules = rules.memory.eviction.compact
+    pins = frozenset(i for g in conv.pinned_groups for i, _ in conv.groups[g].pins)
+    for r in eligible(d.wire.tool_results(d.messages), crules, pins):
+        text = compact_text(r.text, crules)
+        if text is not None:
+            d.compacted.setdefault(r.index, []).append((r.path, text))
+    if not d.compacted:
+        return False
+    chars = list(conv.chars)
+    for i, subs in d.compacted.items():
+        item = d.messages[i]
+        for path, text in subs:
+            item = with_text(item, path, text)
+        d.compact_tokens[i] = d._scaled(d.wire.item_tokens(item, d.counter))
+        chars[i] = d.wire.item_chars(item)
+    # new groups where a size changed (the session's cached ones keep their sums); the
+    # weights stay the client's, so stepped-cut checkpoints do not move
+    groups = [g if not any(i in d.compacted for i in g.indices) else replace(
+        g, chars=g.chars - sum(conv.chars[i] - chars[i] for i in g.indices),
+        tokens=-1, tokens_key=None) for g in conv.groups]
+    d.conv = replace(conv, groups=groups, chars=chars)
+    return True
 
 
 def _forward(d: Decision, body: bytes | None) -> None:

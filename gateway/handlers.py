@@ -123,6 +123,9 @@ def mem_fields(
         if p.dropped:
             f["would_evict"] = p.evict
     if p is not None:
+        n, saved = d.compacted_kept()
+        if n:  # in shadow mode: what would be compacted
+            f.update(compacted=n, compacted_saved_tokens=saved)
         if p.over_budget:
             f["over_budget"] = True
         if p.pinned_overflow:
