@@ -135,7 +135,11 @@ class _Shrink:
 
     def value(self, v: Any) -> Any:
         if isinstance(v, str):
-            s, gone = _cut(v, self.rules.max_line)
+            r = self.rules
+            if len(v) > r.max_line and v.count("\n") >= r.head_lines + r.tail_lines:
+                self.strings += 1  # a text inside the JSON (a file, a diff): its lines
+                return _lines(v, r)[0]
+            s, gone = _cut(v, r.max_line)
             self.strings += gone > 0
             return s
         if isinstance(v, list):
@@ -207,7 +211,7 @@ class _Shrink:
         if self.members:
             parts.append(f"{self.members:,} object members omitted")
         if self.strings:
-            parts.append(f"{self.strings:,} long strings shortened")
+            parts.append(f"{self.strings:,} long strings shortened")  # a count: no plural
         return ", ".join(parts) or "whitespace removed"
 
 

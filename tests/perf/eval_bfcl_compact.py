@@ -63,12 +63,22 @@ def texts(messages: list[Any]) -> str:
     return "\n".join(out)
 
 
+def compacted(orig: dict[str, Any], m: dict[str, Any]) -> bool:
+    """m is orig's tool result compacted: marked, or the same JSON minified."""
+    if m.get("role") != "tool" or {**orig, "content": None} != {**m, "content": None}:
+        return False
+    if MARK in m["content"]:
+        return True
+    try:
+        return bool(orjson.loads(m["content"]) == orjson.loads(orig["content"]))
+    except orjson.JSONDecodeError:
+        return False
+
+
 def valid(orig: list[Any], sent: list[Any]) -> bool:
     j = 0
     for m in sent:  # an ordered subsequence; a compacted result matches its original
-        while j < len(orig) and orig[j] != m and not (
-                m.get("role") == "tool" and MARK in str(m.get("content"))
-                and {**orig[j], "content": None} == {**m, "content": None}):
+        while j < len(orig) and orig[j] != m and not compacted(orig[j], m):
             j += 1
         if j == len(orig):
             return False
@@ -81,18 +91,21 @@ def valid(orig: list[Any], sent: list[Any]) -> bool:
     return calls == answered
 
 
-def config(drop_unit: str, compact: bool, budget: int) -> Any:
+def config(drop_unit: str, compact: bool, budget: int,
+           knobs: dict[str, Any] | None = None) -> Any:
     order = ["pinned", "recent_turns"] + (["compact_tools"] if compact else []) + ["length"]
     return build_rules({
         "memory": {"enable_eviction": True,
                    "budget": {"max_tokens": budget, "max_chars": None, "max_messages": None,
                               "max_turns": None},
-                   "eviction": {"drop_unit": drop_unit, "order": order}},
+                   "eviction": {"drop_unit": drop_unit, "order": order,
+                                "compact": knobs or {}}},
         "tokens": {"models_file": "rules/models.yaml"}}, base_dir=ROOT)
 
 
-def run(lines: list[bytes], drop_unit: str, compact: bool, budget: int) -> dict[str, Any]:
-    rules, tok = config(drop_unit, compact, budget), Tokenizers(500_000)
+def run(lines: list[bytes], drop_unit: str, compact: bool, budget: int,
+        knobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    rules, tok = config(drop_unit, compact, budget, knobs), Tokenizers(500_000)
     req = req_kept = results = invalid = over = compacted = saved = 0
     share = 0.0
     sent_tokens = 0
@@ -128,14 +141,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--payloads", type=Path, default=DATA)
     ap.add_argument("--budget", type=int, default=4000)
+    ap.add_argument("--compact", default="{}", help='knobs, e.g. {"min_chars": 1000}')
     a = ap.parse_args()
+    knobs = orjson.loads(a.compact)
     lines = a.payloads.read_bytes().splitlines()
     print(f"{len(lines)} payloads, budget {a.budget} tokens")
     print(f"{'drop_unit':9} {'compact':7} {'requests':>8} {'tools':>6} {'invalid':>7} "
           f"{'over':>4} {'tokens':>6} {'compacted':>9} {'saved':>7}")
     for unit in ("turn", "group"):
         for compact in (False, True):
-            r = run(lines, unit, compact, a.budget)
+            r = run(lines, unit, compact, a.budget, knobs)
             print(f"{unit:9} {compact!s:7} {r['requests_kept']:8.1%} "
                   f"{r['tool_content_kept']:6.1%} {r['invalid']:7} {r['over_budget']:4} "
                   f"{r['mean_tokens']:6.0f} {r['compacted']:9} {r['saved_tokens']:7}")
