@@ -322,7 +322,10 @@ def _compact(d: Decision, rules: Rules) -> bool:
     assert conv is not None
     crules = rules.memory.eviction.compact
     pins = frozenset(i for g in conv.pinned_groups for i, _ in conv.groups[g].pins)
-    for r in eligible(d.wire.tool_results(d.messages), crules, pins):
+    items, role = d.messages, d.wire.item_role
+    unread = next((i + 1 for i in range(len(items) - 1, -1, -1)
+                   if role(items[i]) == "assistant"), 0)
+    for r in eligible(d.wire.tool_results(items), crules, pins, unread):
         text = compact_text(r.text, crules)
         if text is not None:
             d.compacted.setdefault(r.index, []).append((r.path, text))

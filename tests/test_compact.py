@@ -23,6 +23,7 @@ from .test_forward_bytes import split_list
 from .test_proxy import post_raw
 
 R = CompactRules()
+BIG = 123456789012345678901234567893  # past 64 bits: orjson would read it as a float
 TRAILER = re.compile(r"\[memgate: compacted tool result, ([\d,]+) characters: (.+); "
                      r"([\d,]+) characters omitted; not archived\]$")
 
@@ -170,6 +171,18 @@ def agent_body(draw: st.DrawFn) -> tuple[str, dict[str, Any], bytes, Any, bool]:
                      "content": [{"type": "text", "text": out}] if blocks else out}]})
         items.append({"role": "assistant", "content": f"done {t}"})
     items.append({"role": "user", "content": "and now?"})
+    if draw(st.booleans()):  # the model's parallel calls, their results not read yet
+        outs = [(f"call_p{k}", draw(tool_output())) for k in range(2)]
+        if api == "chat":
+            items.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": c, "type": "function", "function": {"name": "read", "arguments": "{}"}}
+                for c, _ in outs]})
+            items += [{"role": "tool", "tool_call_id": c, "content": o} for c, o in outs]
+        else:
+            items.append({"role": "assistant", "content": [
+                {"type": "tool_use", "id": c, "name": "read", "input": {}} for c, _ in outs]})
+            items.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": c, "content": o} for c, o in outs]})
     body = {"model": "gpt-4o-mini" if api == "chat" else "claude-3-5-haiku-20241022",
             "max_tokens": 50, "messages": items}
     sep = draw(st.sampled_from([(",", ":"), (", ", ": ")]))
@@ -207,6 +220,9 @@ def test_compaction_keeps_pairs_bytes_and_is_idempotent(
     assert pairs_whole(api, sent)
     results = wire.tool_results(body["messages"])
     protected = {r.index for r in results[len(results) - keep_recent:]} if keep_recent else set()
+    last_assistant = max(i for i, m in enumerate(body["messages"]) if m["role"] == "assistant"
+                         ) if any(m["role"] == "assistant" for m in body["messages"]) else -1
+    protected |= {r.index for r in results if r.index > last_assistant}
     orig_items = split_list(raw[raw.index(b"[", raw.index(b'"messages"')):])
     fwd_items = split_list(fwd[fwd.index(b"[", fwd.index(b'"messages"')):])
     assert len(fwd_items) == len(d.plan.kept)
@@ -304,3 +320,29 @@ async def test_gateway_compacts_old_tool_results_instead_of_dropping_turns(
     first = upstream.received[-1]["raw"]
     await post_raw(gw, raw, path)
     assert upstream.received[-1]["raw"] == first
+
+
+def test_responses_outputs_are_compacted_in_their_output_bytes() -> None:
+    """function_call_output and custom_tool_call_output: only `output`'s bytes change."""
+    from gateway.wire.openai_responses import OPENAI_RESPONSES
+    items: list[dict[str, Any]] = []
+    for t, kind in enumerate(["function_call", "custom_tool_call", "function_call"]):
+        items.append({"type": "message", "role": "user", "content": f"step {t}"})
+        items.append({"type": kind, "call_id": f"c{t}", "name": "grep",
+                      **({"arguments": "{}"} if kind == "function_call" else {"input": "x"})})
+        items.append({"type": f"{kind}_output", "call_id": f"c{t}",
+                      "output": "\n".join(f"match {i}: ok" for i in range(400)), "seq": BIG})
+        items.append({"type": "message", "role": "assistant", "content": f"seen {t}"})
+    items.append({"type": "message", "role": "user", "content": "next"})
+    raw = json.dumps({"model": "gpt-4o-mini", "input": items}).encode()
+    rules = rules_for(3000, "turn", 1, 1.0)
+    d = decide(raw, orjson.loads(raw), rules, _TOK, OPENAI_RESPONSES)
+    assert sorted(d.compacted) == [2, 6] and d.plan is not None and not d.plan.dropped
+    sent = split_list(d.forward[d.forward.index(b"[") :])
+    orig = split_list(raw[raw.index(b"[") :])
+    for i, item in enumerate(sent):
+        if i in d.compacted:
+            text = d.compacted[i][0][1]
+            assert "lines omitted" in text and str(BIG).encode() in item
+            item = item.replace(orjson.dumps(text), json.dumps(items[i]["output"]).encode())
+        assert item == orig[i]

@@ -28,7 +28,7 @@ _JSON_WS = re.compile(r'("(?:[^"\\]|\\.)*")|[ \t\n\r]+', re.DOTALL)
 @dataclass(frozen=True, slots=True)
 class CompactRules:
     min_chars: int = 2000  # results shorter than this stay as they are
-    keep_recent: int = 2  # the newest N tool results are never compacted
+    keep_recent: int = 1  # the newest N tool results are never compacted
     exclude_tools: tuple[str, ...] = ()
     target_chars: int = 1200  # a lossless form up to this size is enough
     head_lines: int = 12
@@ -216,12 +216,16 @@ class _Shrink:
 
 
 def eligible(results: Sequence[ToolResult], rules: CompactRules,
-             protected: frozenset[int] = frozenset()) -> list[ToolResult]:
-    """The results that may be compacted: all but the newest keep_recent, the excluded
-    tools' and those of `protected` items (pins), at least min_chars long."""
+             protected: frozenset[int] = frozenset(), unread: int | None = None
+             ) -> list[ToolResult]:
+    """The results that may be compacted: all but the newest keep_recent and those from
+    item `unread` on (after the last assistant item: the model has not read them yet,
+    e.g. parallel calls' results), not the excluded tools' nor those of `protected`
+    items (pins), at least min_chars long."""
     old = results[: max(0, len(results) - rules.keep_recent)]
     return [r for r in old
             if r.index not in protected and len(r.text) >= rules.min_chars
+            and (unread is None or r.index < unread)
             and (r.tool is None or r.tool not in rules.exclude_tools)]
 
 
