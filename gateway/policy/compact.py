@@ -56,9 +56,11 @@ def compact_text(text: str, rules: CompactRules) -> str | None:
         return None
     value = _json(text)
     if value is not None:
-        minified = _JSON_WS.sub(lambda m: m.group(1) or "", text)
-        if len(minified) <= rules.target_chars:
-            return minified if minified != text else None
+        ws = sum(map(text.count, " \n\t\r"))  # minifying removes at most these
+        if len(text) - ws <= rules.target_chars:
+            minified = _JSON_WS.sub(lambda m: m.group(1) or "", text)
+            if len(minified) <= rules.target_chars:
+                return minified if minified != text else None
         out = _Shrink(rules)
         body = orjson.dumps(out.value(value[0])).decode()
         what = out.said()
@@ -121,11 +123,6 @@ def _lines(text: str, rules: CompactRules) -> tuple[str, str]:
     return "\n".join(out), what
 
 
-def _shape(v: Any) -> Any:
-    """What makes two list elements alike: an object's keys, else the value's type."""
-    return tuple(v) if isinstance(v, dict) else type(v).__name__
-
-
 class _Shrink:
     """A JSON value with long lists, objects and strings excerpted, counting what went."""
 
@@ -152,45 +149,43 @@ class _Shrink:
         n, limit = len(v), self.rules.max_items
         if n <= limit:
             return [self.value(x) for x in v]
+        # what makes elements alike: an object's keys, else the type (mapped in C: a
+        # list of thousands of numbers is common)
+        types = list(map(type, v))
+        kinds = set(types)
+        shapes: list[Any] = ([tuple(x) if t is dict else t for x, t in zip(v, types)]
+                             if dict in kinds else types)
+        first = dict(zip(reversed(shapes), range(n - 1, -1, -1)))  # shape -> first index
         # the first and last elements, the first of each other shape, error-looking ones
-        keep = {0, n - 1}
-        seen: dict[Any, int] = {}
-        for i, x in enumerate(v):
-            seen.setdefault(_shape(x), i)
-        keep.update(list(seen.values())[:limit])
-        for i, x in enumerate(v):
-            if len(keep) >= limit:
-                break
-            if i not in keep and isinstance(x, dict | str) and _ERROR.search(
-                    orjson.dumps(x).decode()):
-                keep.add(i)
+        keep = {0, n - 1, *sorted(first.values())[: limit - 2]}
+        if dict in kinds or str in kinds:
+            for i in range(n):
+                if len(keep) >= limit:
+                    break
+                if i not in keep and types[i] in (dict, str) and _ERROR.search(
+                        orjson.dumps(v[i]).decode()):
+                    keep.add(i)
         for i in range(n):  # the rest of the room: the head
             if len(keep) >= limit:
                 break
             keep.add(i)
         out: list[Any] = []
-        run: list[int] = []
-        for i, x in enumerate(v):
-            if i in keep:
-                if run:
-                    out.append(self._gap(v, run))
-                    run = []
-                out.append(self.value(x))
-            else:
-                run.append(i)
-        if run:
-            out.append(self._gap(v, run))
+        prev = -1
+        for i in sorted(keep):
+            if i > prev + 1:
+                out.append(self._gap(shapes, first, prev + 1, i))
+            out.append(self.value(v[i]))
+            prev = i
         return out
 
-    def _gap(self, v: list[Any], run: Sequence[int]) -> str:
-        self.items += len(run)
-        shapes: dict[Any, int] = {}
-        for i in run:
-            shapes[_shape(v[i])] = shapes.get(_shape(v[i]), 0) + 1
-        if len(shapes) == 1 and isinstance(v[run[0]], dict):
-            first = next(i for i, x in enumerate(v) if _shape(x) == _shape(v[run[0]]))
-            return f"{MARK}{len(run):,} elements omitted, with the keys of element {first}]"
-        return f"{MARK}{len(run):,} elements omitted]"
+    def _gap(self, shapes: list[Any], first: dict[Any, int], a: int, b: int) -> str:
+        """The marker for elements a..b-1 omitted."""
+        self.items += b - a
+        alike = set(shapes[a:b])
+        if len(alike) == 1 and type(shape := alike.pop()) is tuple:
+            return (f"{MARK}{b - a:,} elements omitted, with the keys of element "
+                    f"{first[shape]}]")
+        return f"{MARK}{b - a:,} elements omitted]"
 
     def _object(self, v: dict[str, Any]) -> dict[str, Any]:
         names = list(v)
