@@ -343,7 +343,10 @@ def _compact(d: Decision, rules: Rules) -> bool:
     groups = [g if not any(i in d.compacted for i in g.indices) else replace(
         g, chars=g.chars - sum(conv.chars[i] - chars[i] for i in g.indices),
         tokens=-1, tokens_key=None) for g in conv.groups]
-    d.conv = replace(conv, groups=groups, chars=chars)
+    # the planner's memo (checkpoints) for compacted histories is their own, shared along
+    # the session like the client's: the same results compact the same way each request
+    d.conv = replace(conv, groups=groups, chars=chars,
+                     memo=conv.memo.setdefault(("compacted",), {}))
     return True
 
 
