@@ -12,6 +12,11 @@ history before each payload's current turn:
   user message after the system part, or are not an ordered subsequence of the
   original (a compacted tool result counts as its original);
 - over: requests over the budget although system + tools + current turn fit.
+
+With --sessions: each conversation replayed as a growing session (a request at every
+point the model answers, resending the history so far, tools first), bytes sent and
+bytes outside the prefix shared with the session's previous request, cost = uncached
++ 0.1 x cached, in millions of tokens at 4 bytes a token (a proxy: no tokenizer).
 """
 
 from __future__ import annotations
@@ -137,13 +142,51 @@ def run(lines: list[bytes], drop_unit: str, compact: bool, budget: int,
             "mean_tokens": sent_tokens / n, "compacted": compacted, "saved_tokens": saved}
 
 
+def _common(a: bytes, b: bytes) -> int:
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # the longest common prefix, by bisection
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def sessions(lines: list[bytes], budget: int, knobs: dict[str, Any]) -> None:
+    cases = [("no eviction", None), ("turn", config("turn", False, budget)),
+             ("turn+compact", config("turn", True, budget, knobs)),
+             ("group", config("group", False, budget)),
+             ("group+compact", config("group", True, budget, knobs))]
+    for name, rules in cases:
+        tok, sent, uncached = Tokenizers(500_000), 0, 0
+        for line in lines:
+            body = orjson.loads(line)
+            msgs, prev = body["messages"], b""
+            for k in range(2, len(msgs) + 1):
+                if msgs[k - 1]["role"] == "assistant":
+                    continue  # a request goes when the model is to answer
+                b = {"model": body["model"], "tools": body["tools"], "messages": msgs[:k]}
+                raw = orjson.dumps(b)
+                fwd = raw if rules is None else decide(raw, b, rules, tok).forward
+                sent += len(fwd)
+                uncached += len(fwd) - _common(prev, fwd)
+                prev = fwd
+        print(f"{name:14} sent {sent / 4e6:5.2f}M uncached {uncached / 4e6:5.2f}M "
+              f"cost {(uncached + 0.1 * (sent - uncached)) / 4e6:5.2f}M")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--payloads", type=Path, default=DATA)
     ap.add_argument("--budget", type=int, default=4000)
     ap.add_argument("--compact", default="{}", help='knobs, e.g. {"min_chars": 1000}')
+    ap.add_argument("--sessions", action="store_true", help="growing sessions' cost")
     a = ap.parse_args()
     knobs = orjson.loads(a.compact)
+    if a.sessions:
+        sessions(a.payloads.read_bytes().splitlines(), a.budget, knobs)
+        return
     lines = a.payloads.read_bytes().splitlines()
     print(f"{len(lines)} payloads, budget {a.budget} tokens")
     print(f"{'drop_unit':9} {'compact':7} {'requests':>8} {'tools':>6} {'invalid':>7} "
