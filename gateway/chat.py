@@ -22,7 +22,7 @@ from .conversation import Conversation, Unplannable
 from .errors import BadRequest, OverBudget
 from .history import HistoryCache, View
 from .policy import Limits, Plan, PlanRules, plan
-from .policy.compact import compact_text, eligible, with_text
+from .policy.compact import MARK, archive_id, compact_text, eligible, with_text
 from .rules import Rules
 from .splice import Splice
 from .tokens import TokenCounter, Tokenizers
@@ -58,6 +58,7 @@ class Decision:
     # the item's tokens with them (the planner counts these instead)
     compacted: dict[int, list[tuple[Any, str]]] = field(default_factory=dict)
     compact_tokens: dict[int, int] = field(default_factory=dict)
+    archived: dict[str, tuple[int, str]] = field(default_factory=dict)  # id -> (item, original)
 
     @property
     def messages(self) -> list[Any]:
@@ -208,12 +209,14 @@ def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
 def decide(
     raw: bytes, payload: Any, rules: Rules, tokenizers: Tokenizers, wire: Wire = OPENAI_CHAT,
     recalled: list[str] | None = None, history: HistoryCache | None = None,
-    key: tuple[str, str] | None = None,
+    key: tuple[str, str] | None = None, archive_in: str | None = None,
 ) -> Decision:
     """Plan one request; raises BadRequest / OverBudget for the client.
 
     With a `history` cache and the session's `key`, only what the session appended
-    since its previous request is parsed, counted and folded."""
+    since its previous request is parsed, counted and folded. `archive_in`: the tenant
+    whose store will archive the originals of compacted tool results (their markers
+    then name the archive ids)."""
     model = payload.get("model") if isinstance(payload, dict) else None
     model = model if isinstance(model, str) else None
     counter = tokenizers.get(rules.model_info(model).encoding)
@@ -226,7 +229,7 @@ def decide(
         d.skip_reason = "invalid_json"
         return d
     try:
-        return _plan_into(d, rules, wire, recalled, history, key)
+        return _plan_into(d, rules, wire, recalled, history, key, archive_in)
     except orjson.JSONEncodeError:
         # nested deeper than orjson writes (255..1024 levels): counting cannot read it,
         # the client's bytes go as they came
@@ -237,7 +240,7 @@ def decide(
 
 def _plan_into(
     d: Decision, rules: Rules, wire: Wire, recalled: list[str] | None,
-    history: HistoryCache | None, key: tuple[str, str] | None,
+    history: HistoryCache | None, key: tuple[str, str] | None, archive_in: str | None = None,
 ) -> Decision:
     """`decide` once the body is known to be JSON: parse, plan, build the forward."""
     raw, payload, model = d.raw, d.payload, d.model
@@ -271,7 +274,8 @@ def _plan_into(
         counted_by = (d.counter, d.token_factor)  # not the session `key`
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
                       tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by)
-        if d.plan.dropped and "compact_tools" in rules.memory.eviction.order and _compact(d, rules):
+        if d.plan.dropped and "compact_tools" in rules.memory.eviction.order and _compact(
+                d, rules, archive_in):
             d.plan = plan(d.conv, prules, d.planned_tokens, overhead_tokens=overhead,
                           tokens_key=counted_by)
         if d.mode == "on" and (d.plan.dropped or recalled) and _carry_note(
@@ -314,10 +318,12 @@ def _plan_into(
     return d
 
 
-def _compact(d: Decision, rules: Rules) -> bool:
+def _compact(d: Decision, rules: Rules, archive_in: str | None) -> bool:
     """The compact_tools stage, run when the plan had to drop: every eligible tool result
-    compacted (each a function of its text and the rules), the conversation's sizes and
-    the planner's counts made those of the compacted items; True if any was."""
+    compacted (each a function of its text, the rules and the archiving tenant), the
+    conversation's sizes and the planner's counts made those of the compacted items;
+    True if any was. An original the store would cut (over max_chars_per_record) is
+    not archived: the marker says so."""
     conv = d.conv
     assert conv is not None
     crules = rules.memory.eviction.compact
@@ -325,10 +331,14 @@ def _compact(d: Decision, rules: Rules) -> bool:
     items, role = d.messages, d.wire.item_role
     unread = next((i + 1 for i in range(len(items) - 1, -1, -1)
                    if role(items[i]) == "assistant"), 0)
+    room = rules.store.max_chars_per_record
     for r in eligible(d.wire.tool_results(items), crules, pins, unread):
-        text = compact_text(r.text, crules)
+        aid = archive_id(archive_in, r.text) if archive_in and len(r.text) <= room else None
+        text = compact_text(r.text, crules, aid)
         if text is not None:
             d.compacted.setdefault(r.index, []).append((r.path, text))
+            if aid is not None and MARK in text:  # excerpted, not only minified
+                d.archived[aid] = (r.index, r.text)
     if not d.compacted:
         return False
     chars = list(conv.chars)

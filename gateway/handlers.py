@@ -23,6 +23,7 @@ from .rules import Rules
 from .session import session_id, tenant_of
 from .state import SessionRecord, compare_cut, fingerprint, known_prefix
 from .store import StoreError
+from .store.model import build_record, format_ts, now_us
 from .upstream import Relayed, relay
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
@@ -239,9 +240,15 @@ def _decide(
     items = wire.items(payload) if isinstance(payload, dict) else None
     session = _session(request, rules.session_header, payload, items, tenant)
     d = decide(raw, payload, rules, state.tokenizers, wire, history=history,
-               key=(tenant, session))
+               key=(tenant, session), archive_in=_archive_in(state, rules, tenant))
     d.spliced_from = src
     return d, session
+
+
+def _archive_in(state: GatewayState, rules: Rules, tenant: str) -> str | None:
+    """The tenant whose store archives compacted tool results' originals (None: none)."""
+    on = rules.memory.mode == "on" and rules.store.archive != "off" and state.memory is not None
+    return tenant if on else None
 
 
 async def _account(
@@ -276,7 +283,8 @@ async def _with_recall(
     if not recalled:
         return d
     again = decide(d.raw, d.payload, rules, state.tokenizers, wire, recalled=recalled,
-                   history=state.history_cache, key=(tenant, session))
+                   history=state.history_cache, key=(tenant, session),
+                   archive_in=_archive_in(state, rules, tenant))
     again.spliced_from = d.spliced_from
     return again
 
@@ -320,6 +328,16 @@ async def _measure(
         tail["archived"] = queued = state.memory.archive(records)
         if entry is not None and queued == len(records):
             entry.archived_upto = upto  # a full queue dropped them: all again next time
+    if d.archived and d.plan is not None and state.memory is not None:
+        # the originals of kept compacted results, under the ids their markers name
+        # (written again by later requests: the store keeps the first)
+        kept, ts = frozenset(d.plan.kept), format_ts(now_us())
+        agent = request.headers.get("X-Agent-Id", "") or "default"
+        state.memory.archive([build_record(
+            {"memory_id": aid, "memory_type": "message", "role": "tool", "text": text,
+             "agent_id": agent, "session_id": session, "ts": ts, "tags": ["compacted"]},
+            tenant, state.rules.store)
+            for aid, (i, text) in d.archived.items() if i in kept])
     if d.note is not None and d.snapshot is not None:
         tail["carried"] = d.snapshot.count
         await state.sessions.put_snapshot(tenant, session, d.snapshot.fields)

@@ -346,3 +346,38 @@ def test_responses_outputs_are_compacted_in_their_output_bytes() -> None:
             assert "lines omitted" in text and str(BIG).encode() in item
             item = item.replace(orjson.dumps(text), json.dumps(items[i]["output"]).encode())
         assert item == orig[i]
+
+
+async def test_originals_are_archived_under_the_marker_id(
+    gateway: GatewayFactory, upstream: Upstream, tmp_path: Any
+) -> None:
+    """With the store archiving, a compacted result's marker names the id its original
+    is read back by (GET /v1/memories/{id}), in the caller's tenant only."""
+    import asyncio
+
+    import aiohttp
+
+    from .conftest import SECRET
+    gw = await gateway(memory=COMPACTING,
+                       store={"path": str(tmp_path / "m.db"), "archive": "evicted"})
+    body = agent_history("chat")
+    status, _, _ = await post_raw(gw, json.dumps(body).encode())
+    assert status == 200
+    sent = json.loads(upstream.received[-1]["raw"])["messages"]
+    text = sent[2]["content"]
+    m = re.search(r"full result archived as (cmp-[0-9a-f]{32})\]$", text)
+    assert m is not None, text[-200:]
+    url = f"{gw.url}/v1/memories/{m[1]}"
+    async with aiohttp.ClientSession() as s:
+        for _ in range(200):  # written behind the request
+            async with s.get(url, headers={"Authorization": f"Bearer {SECRET}"}) as r:
+                if r.status == 200:
+                    got = await r.json()
+                    break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("not archived: " + gw.log.getvalue()[-3000:])
+        async with s.get(url, headers={"Authorization": "Bearer sk-another"}) as r:
+            assert r.status == 404
+    assert got["text"] == body["messages"][2]["content"]
+    assert got["tags"] == ["compacted"]

@@ -12,6 +12,7 @@ that marker is left alone, so compacting twice changes nothing.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,9 +50,18 @@ class ToolResult:
     tool: str | None
 
 
-def compact_text(text: str, rules: CompactRules) -> str | None:
+def archive_id(tenant: str, text: str) -> str:
+    """The id the original of a compacted result is archived under: from its content
+    (the same on every request and replica) and the tenant, whose store holds it (ids
+    are unique across a store)."""
+    digest = hashlib.sha256(tenant.encode() + b"\0" + text.encode("utf-8", "surrogatepass"))
+    return "cmp-" + digest.hexdigest()[:32]
+
+
+def compact_text(text: str, rules: CompactRules, archived_as: str | None = None) -> str | None:
     """The compacted form of a tool result's text, or None: left as it is (short,
-    already compacted, or nothing to gain)."""
+    already compacted, or nothing to gain). `archived_as`: the id its original is
+    archived under, said in the marker (None: not archived)."""
     if len(text) < rules.min_chars or MARK in text:
         return None
     value = _json(text)
@@ -68,8 +78,9 @@ def compact_text(text: str, rules: CompactRules) -> str | None:
         body, what = _lines(text, rules)
     if len(body) >= len(text):
         return None
+    where = f"full result archived as {archived_as}" if archived_as else "not archived"
     return (f"{body}\n{MARK}compacted tool result, {len(text):,} characters: {what}; "
-            f"{len(text) - len(body):,} characters omitted; not archived]")
+            f"{len(text) - len(body):,} characters omitted; {where}]")
 
 
 def _json(text: str) -> tuple[Any] | None:
