@@ -274,8 +274,10 @@ def _plan_into(
         counted_by = (d.counter, d.token_factor)  # not the session `key`
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
                       tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by)
-        if d.plan.dropped and "compact_tools" in rules.memory.eviction.order and _compact(
-                d, rules, archive_in):
+        # over budget with nothing to drop: an agent loop's one long current turn
+        if ((d.plan.dropped or d.plan.over_budget)
+                and "compact_tools" in rules.memory.eviction.order
+                and _compact(d, rules, archive_in)):
             d.plan = plan(d.conv, prules, d.planned_tokens, overhead_tokens=overhead,
                           tokens_key=counted_by)
         if d.mode == "on" and (d.plan.dropped or recalled) and _carry_note(
@@ -319,10 +321,10 @@ def _plan_into(
 
 
 def _compact(d: Decision, rules: Rules, archive_in: str | None) -> bool:
-    """The compact_tools stage, run when the plan had to drop: every eligible tool result
-    compacted (each a function of its text, the rules and the archiving tenant), the
-    conversation's sizes and the planner's counts made those of the compacted items;
-    True if any was. An original the store would cut (over max_chars_per_record) is
+    """The compact_tools stage, run when the plan had to drop (or could not fit): every
+    eligible tool result compacted (each a function of its text, the rules and the
+    archiving tenant), the conversation's sizes and the planner's counts made those of
+    the compacted items; True if any was. An original the store would cut (over max_chars_per_record) is
     not archived: the marker says so."""
     conv = d.conv
     assert conv is not None

@@ -381,3 +381,20 @@ async def test_originals_are_archived_under_the_marker_id(
             assert r.status == 404
     assert got["text"] == body["messages"][2]["content"]
     assert got["tags"] == ["compacted"]
+
+
+def test_one_long_agent_turn_over_budget_is_compacted() -> None:
+    """An agent loop's current turn alone over the budget (nothing to drop): its older,
+    already answered results are compacted and the request fits."""
+    items: list[dict[str, Any]] = [{"role": "user", "content": "audit the logs"}]
+    for t in range(4):
+        items.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{t}", "type": "function", "function": {"name": "read", "arguments": "{}"}}]})
+        items.append({"role": "tool", "tool_call_id": f"c{t}",
+                      "content": "\n".join(f"{t}:{i} ok" for i in range(600))})
+    raw = json.dumps({"model": "gpt-4o-mini", "messages": items}).encode()
+    rules = rules_for(4000, "turn", 1, 1.0)
+    d = decide(raw, orjson.loads(raw), rules, _TOK)
+    assert d.plan is not None and not d.plan.dropped and not d.plan.over_budget
+    assert sorted(d.compacted) == [2, 4, 6]  # the newest result stays whole
+    assert orjson.loads(d.forward)["messages"][8] == items[8]
