@@ -22,6 +22,7 @@ from .conversation import META_KEY, BadMetadata, Conversation, Unplannable, read
 from .errors import BadRequest, OverBudget
 from .history import HistoryCache, View
 from .policy import Limits, Plan, PlanRules, plan
+from .policy.compact import MARK, archive_id, compact_text, eligible, with_text
 from .rules import Rules
 from .splice import Splice
 from .tokens import TokenCounter, Tokenizers
@@ -57,6 +58,11 @@ class Decision:
     _msg_tokens: list[int] | None = None  # per message, -1 = not counted yet
     spliced_from: Splice | None = None  # the session's earlier body this one was parsed from
     bad_metadata: str | None = None  # why a memgate block was ignored (logged metadata=invalid)
+    # compact_tools: per item, the (path, new text) of its compacted tool results, and
+    # the item's tokens with them (the planner counts these instead)
+    compacted: dict[int, list[tuple[Any, str]]] = field(default_factory=dict)
+    compact_tokens: dict[int, int] = field(default_factory=dict)
+    archived: dict[str, tuple[int, str]] = field(default_factory=dict)  # id -> (item, original)
 
     @property
     def messages(self) -> list[Any]:
@@ -78,6 +84,18 @@ class Decision:
             n = counts[i] = self._scaled(self.wire.item_tokens(self.messages[i], self.counter))
         return n
 
+    def planned_tokens(self, i: int) -> int:
+        """Item i's tokens as forwarded: compacted, or as the client sent it."""
+        n = self.compact_tokens.get(i)
+        return self.message_tokens(i) if n is None else n
+
+    def compacted_kept(self) -> tuple[int, int]:
+        """(kept items with a compacted tool result, the tokens that saved)."""
+        if not self.compacted or self.plan is None:
+            return 0, 0
+        kept = [i for i in self.plan.kept if i in self.compact_tokens]
+        return len(kept), sum(self.message_tokens(i) - self.compact_tokens[i] for i in kept)
+
     def overhead_tokens(self) -> int:
         if self._overhead is None:
             self._overhead = (self._scaled(self.wire.overhead_tokens(self.payload, self.counter))
@@ -87,7 +105,7 @@ class Decision:
     def kept_tokens(self) -> int:
         """Estimated tokens of the request with only the plan's kept messages."""
         assert self.plan is not None
-        return self.overhead_tokens() + sum(self.message_tokens(i) for i in self.plan.kept)
+        return self.overhead_tokens() + sum(self.planned_tokens(i) for i in self.plan.kept)
 
     def uncounted_chars(self) -> int:
         """Characters of the messages whose tokens the session's cache does not hold
@@ -181,7 +199,7 @@ def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
             max_messages=m.budget.max_messages,
             max_turns=m.budget.max_turns,
         ),
-        order=m.eviction.order,
+        order=tuple(s for s in m.eviction.order if s != "compact_tools"),  # see _compact
         keep_pinned=m.eviction.keep_pinned,
         max_pinned=m.eviction.max_pinned,
         drop_unit=m.eviction.drop_unit,
@@ -196,12 +214,15 @@ def decide(
     raw: bytes, payload: Any, rules: Rules, tokenizers: Tokenizers, wire: Wire = OPENAI_CHAT,
     recalled: list[str] | None = None, history: HistoryCache | None = None,
     key: tuple[str, str] | None = None, default_model: str | None = None,
+    archive_in: str | None = None,
 ) -> Decision:
     """Plan one request; raises BadRequest / OverBudget for the client.
 
     With a `history` cache and the session's `key`, only what the session appended
     since its previous request is parsed, counted and folded. `default_model` is the
-    model of a body that names none (an Azure deployment route names it in the path)."""
+    model of a body that names none (an Azure deployment route names it in the path).
+    `archive_in`: the tenant whose store will archive the originals of compacted tool
+    results (their markers then name the archive ids)."""
     model = payload.get("model") if isinstance(payload, dict) else None
     model = model if isinstance(model, str) else default_model
     counter = tokenizers.get(rules.model_info(model).encoding)
@@ -214,7 +235,7 @@ def decide(
         d.skip_reason = "invalid_json"
         return d
     try:
-        return _plan_into(d, rules, wire, recalled, history, key)
+        return _plan_into(d, rules, wire, recalled, history, key, archive_in)
     except orjson.JSONEncodeError:
         # nested deeper than orjson writes (255..1024 levels): counting cannot read it,
         # the client's bytes go as they came
@@ -225,7 +246,7 @@ def decide(
 
 def _plan_into(
     d: Decision, rules: Rules, wire: Wire, recalled: list[str] | None,
-    history: HistoryCache | None, key: tuple[str, str] | None,
+    history: HistoryCache | None, key: tuple[str, str] | None, archive_in: str | None = None,
 ) -> Decision:
     """`decide` once the body is known to be JSON: parse, plan, build the forward."""
     raw, payload, model = d.raw, d.payload, d.model
@@ -275,6 +296,12 @@ def _plan_into(
         counted_by = (d.counter, d.token_factor)  # not the session `key`
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
                       tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by)
+        # over budget with nothing to drop: an agent loop's one long current turn
+        if ((d.plan.dropped or d.plan.over_budget)
+                and "compact_tools" in rules.memory.eviction.order
+                and _compact(d, rules, archive_in)):
+            d.plan = plan(d.conv, prules, d.planned_tokens, overhead_tokens=overhead,
+                          tokens_key=counted_by)
         if d.mode == "on" and (d.plan.dropped or recalled) and _carry_note(
                 d, rules, items, recalled):
             # the note is counted into the budget: plan again unless it fits the slack
@@ -282,7 +309,7 @@ def _plan_into(
             assert d.note is not None
             narrower = _minus_note(prules, d)
             if not _fits(d.plan, narrower.limits):
-                d.plan = plan(d.conv, narrower, d.message_tokens, overhead_tokens=overhead,
+                d.plan = plan(d.conv, narrower, d.planned_tokens, overhead_tokens=overhead,
                               tokens_key=counted_by)
         if (
             d.mode == "on"
@@ -300,14 +327,15 @@ def _plan_into(
         kept = d.plan.kept
         d.cache_marker_dropped = wire.cache_markers and any(
             not _holds(kept, i) for i in d.conv.cache_marked)
-    if d.mode == "on" and d.plan is not None and (d.plan.dropped or d.note):
+    if d.mode == "on" and d.plan is not None and (d.plan.dropped or d.note or d.compacted):
         marker_at = None
         if d.cache_marker_dropped and rules.memory.eviction.move_cache_marker:
             marker_at = _end_of_stable_prefix(d.conv, d.plan)
             d.cache_marker_moved = marker_at is not None
         _forward(d, wire.build_body(raw, payload, list(d.plan.kept), marker_at, d.note,
                                     current_turn_start(d.conv) if d.note else None,
-                                    d.conv.has_metadata))
+                                    d.conv.has_metadata,
+                                    {i: d.compacted[i] for i in d.plan.kept if i in d.compacted}))
     elif d.conv.has_metadata:
         # gateway metadata is ours: upstreams never see it, whatever the mode
         _forward(d, wire.build_body(raw, payload, list(range(len(items)))))
@@ -325,6 +353,52 @@ def _without_bad_metadata(items: list[Any]) -> list[Any]:
             except BadMetadata:
                 out[i] = {k: v for k, v in m.items() if k != META_KEY}
     return out
+
+
+def _compact(d: Decision, rules: Rules, archive_in: str | None) -> bool:
+    """The compact_tools stage, run when the plan had to drop (or could not fit): every
+    eligible tool result compacted (each a function of its text, the rules and the
+    archiving tenant), the conversation's sizes and the planner's counts made those of
+    the compacted items; True if any was. An original the store would cut (over max_chars_per_record) is
+    not archived: the marker says so."""
+    conv = d.conv
+    assert conv is not None
+    crules = rules.memory.eviction.compact
+    pins = frozenset(i for g in conv.pinned_groups for i, _ in conv.groups[g].pins)
+    items, role = d.messages, d.wire.item_role
+    unread = next((i + 1 for i in range(len(items) - 1, -1, -1)
+                   if role(items[i]) == "assistant"), 0)
+    room = rules.store.max_chars_per_record
+    shorter: dict[int, int] = {}  # item -> characters of text its results lost
+    for r in eligible(d.wire.tool_results(items), crules, pins, unread):
+        aid = archive_id(archive_in, r.text) if archive_in and len(r.text) <= room else None
+        text = compact_text(r.text, crules, aid)
+        if text is not None:
+            d.compacted.setdefault(r.index, []).append((r.path, text))
+            shorter[r.index] = shorter.get(r.index, 0) + len(r.text) - len(text)
+            if aid is not None and MARK in text:  # excerpted, not only minified
+                d.archived[aid] = (r.index, r.text)
+    if not d.compacted:
+        return False
+    chars, text_chars = list(conv.chars), list(conv.text_chars)
+    for i, subs in d.compacted.items():
+        item = d.messages[i]
+        for path, text in subs:
+            item = with_text(item, path, text)
+        d.compact_tokens[i] = d._scaled(d.wire.item_tokens(item, d.counter))
+        chars[i] = d.wire.item_chars(item)
+        text_chars[i] -= shorter[i]  # only a result's text changed: the text it lost
+    # new groups where a size changed (the session's cached ones keep their sums); the
+    # weights stay the client's, so stepped-cut checkpoints do not move. A group's chars
+    # are the text the model reads (the max_chars budget)
+    groups = [g if not any(i in d.compacted for i in g.indices) else replace(
+        g, chars=g.chars - sum(shorter.get(i, 0) for i in g.indices),
+        tokens=-1, tokens_key=None) for g in conv.groups]
+    # the planner's memo (checkpoints) for compacted histories is their own, shared along
+    # the session like the client's: the same results compact the same way each request
+    d.conv = replace(conv, groups=groups, chars=chars, text_chars=text_chars,
+                     memo=conv.memo.setdefault(("compacted",), {}))
+    return True
 
 
 def _forward(d: Decision, body: bytes | None) -> None:

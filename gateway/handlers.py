@@ -25,6 +25,7 @@ from .recall import GuardedStore, archive_records, recall
 from .rules import Rules, Upstream
 from .session import client_refusal, session_id, tenant_of
 from .state import RedisState, SessionRecord, compare_cut, fingerprint, known_prefix
+from .store.model import build_record, format_ts, now_us
 from .upstream import Relayed, has_dot_segment, injected_key, relay
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
@@ -169,6 +170,9 @@ def mem_fields(
     if d.bad_metadata is not None:
         f.update(metadata="invalid", metadata_reason=d.bad_metadata)
     if p is not None:
+        n, saved = d.compacted_kept()
+        if n:  # in shadow mode: what would be compacted
+            f.update(compacted=n, compacted_saved_tokens=saved)
         if p.over_budget:
             f["over_budget"] = True
         if p.pinned_overflow:
@@ -315,9 +319,17 @@ def _decide(
     # a caller without a tenant has no session history: its requests share nothing
     d = decide(raw, payload, rules, state.tokenizers, wire, history=history,
                key=None if tenant is None else (tenant, session),
-               default_model=request.match_info.get("deployment"))
+               default_model=request.match_info.get("deployment"),
+               archive_in=_archive_in(state, rules, tenant))
     d.spliced_from = src
     return d, session
+
+
+def _archive_in(state: GatewayState, rules: Rules, tenant: str | None) -> str | None:
+    """The tenant whose store archives compacted tool results' originals (None: none, and
+    never for a caller without a tenant)."""
+    on = rules.memory.mode == "on" and rules.store.archive != "off" and state.memory is not None
+    return tenant if on else None
 
 
 async def _account(
@@ -350,7 +362,8 @@ async def _with_recall(
     if not recalled:
         return d, store.failed
     again = decide(d.raw, d.payload, rules, state.tokenizers, wire, recalled=recalled,
-                   history=state.history_cache, key=(tenant, session), default_model=d.model)
+                   history=state.history_cache, key=(tenant, session), default_model=d.model,
+                   archive_in=_archive_in(state, rules, tenant))
     again.spliced_from = d.spliced_from
     return again, store.failed
 
@@ -399,6 +412,16 @@ async def _measure(
         tail["archived"] = queued = state.memory.archive(records)
         if entry is not None and queued == len(records):
             entry.archived_upto = upto  # a full queue dropped them: all again next time
+    if d.archived and d.plan is not None and state.memory is not None and tenant is not None:
+        # the originals of kept compacted results, under the ids their markers name
+        # (written again by later requests: the store keeps the first)
+        kept, ts = frozenset(d.plan.kept), format_ts(now_us())
+        agent = request.headers.get("X-Agent-Id", "") or "default"
+        state.memory.archive([build_record(
+            {"memory_id": aid, "memory_type": "message", "role": "tool", "text": text,
+             "agent_id": agent, "session_id": session, "ts": ts, "tags": ["compacted"]},
+            tenant, state.rules.store)
+            for aid, (i, text) in d.archived.items() if i in kept])
     if d.note is not None and d.snapshot is not None:
         tail["carried"] = d.snapshot.count
         if tenant is not None:

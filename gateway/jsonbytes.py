@@ -205,6 +205,20 @@ def elements(b: bytes, i: int, values: Sequence[Any] | None = None) -> list[Span
         j = ws(b, j + 1)
 
 
+def value_span(b: bytes, i: int, value: Any, path: Sequence[str | int]) -> Span:
+    """The span of the value at `path` (object keys, list indices) inside the value at
+    b[i] (parsed: `value`); a repeated key is the last one, the one a parser reads."""
+    end = value_end(b, i) if not path else i
+    for step in path:
+        if isinstance(step, str):
+            m = [m for m in members(b, i, value) if m.name == step][-1]
+            i, end = m.value, m.end
+        else:
+            i, end = elements(b, i, value)[step]
+        value = value[step]
+    return i, end
+
+
 def cut(spans: Sequence[Span], kept: Sequence[int]) -> list[Edit]:
     """The edits that leave only entries `kept` (ascending) of a container whose
     entries (elements, or members from key to value) are at `spans`, its commas valid:

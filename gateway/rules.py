@@ -23,9 +23,12 @@ from .carry.rules import CarryPatterns, load_carry_patterns
 from .carry.snapshot import ALL_FIELDS, CarryRules
 from .config_yaml import load_yaml
 from .errors import RulesError
+from .policy.compact import CompactRules
 from .store.model import StoreRules, check_tags, parse_window
 
-STAGES = ("pinned", "recent_turns", "length", "score")
+# compact_tools shortens old tool results before the planner runs (chat.py): listed,
+# it must come before length, which then drops fewer turns
+STAGES = ("pinned", "recent_turns", "compact_tools", "length", "score")
 DropUnit = Literal["turn", "group"]
 
 
@@ -48,6 +51,7 @@ class Eviction:
     on_over_budget: Literal["forward", "reject"] = "forward"
     low_water: float = 0.6
     move_cache_marker: bool = False
+    compact: CompactRules = field(default_factory=CompactRules)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +245,10 @@ SECTIONS: dict[str, frozenset[str]] = {
     "memory.budget": frozenset({"max_tokens", "max_chars", "max_messages", "max_turns",
                                 "safety_ratio", "reserve_output_tokens"}),
     "memory.eviction": frozenset({"order", "keep_pinned", "max_pinned", "drop_unit",
-                                  "on_over_budget", "low_water", "move_cache_marker"}),
+                                  "on_over_budget", "low_water", "move_cache_marker",
+                                  "compact"}),
+    "memory.eviction.compact": frozenset({"min_chars", "keep_recent", "exclude_tools",
+                                          "target_chars"}),
     "memory.markers": frozenset({"system_prefix", "min_score", "on_bad_metadata"}),
     "memory.carry": frozenset({"enabled", "keep_fields", "drop_when", "ref_ttl_turns",
                                "log_skipped", "rules_file", "max_note_chars"}),
@@ -405,6 +412,9 @@ def _order(v: Any) -> tuple[str, ...]:
             raise ValueError(f"unknown stage {n!r} (stages: {', '.join(STAGES)})")
     if len(set(names)) != len(names):
         raise ValueError("a stage is listed twice")
+    if "compact_tools" in names and "length" in names and (
+            names.index("compact_tools") > names.index("length")):
+        raise ValueError("compact_tools must come before length (it runs first)")
     return names
 
 
@@ -471,6 +481,14 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | 
     )
     e = r.section(m.get("eviction"), "memory.eviction")
     de = Eviction()
+    cs = r.section(e.get("compact"), "memory.eviction.compact")
+    dc, ck = CompactRules(), "memory.eviction.compact"
+    compact = CompactRules(
+        min_chars=r.get(cs, ck, "min_chars", _int(1), dc.min_chars),
+        keep_recent=r.get(cs, ck, "keep_recent", _int(0), dc.keep_recent),
+        exclude_tools=r.get(cs, ck, "exclude_tools", _str_list, dc.exclude_tools),
+        target_chars=r.get(cs, ck, "target_chars", _int(200), dc.target_chars),
+    )
     eviction = Eviction(
         order=r.get(e, "memory.eviction", "order", _order, de.order),
         keep_pinned=r.get(e, "memory.eviction", "keep_pinned", _bool, de.keep_pinned),
@@ -483,6 +501,7 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | 
         move_cache_marker=r.get(
             e, "memory.eviction", "move_cache_marker", _bool, de.move_cache_marker
         ),
+        compact=compact,
     )
     k = r.section(m.get("markers"), "memory.markers")
     dk = Markers()

@@ -21,7 +21,8 @@ def test_shipped_config_loads_with_seed_defaults() -> None:
     assert r.memory.mode == "shadow"
     assert r.memory.budget.max_chars == 24000 and r.memory.budget.max_messages == 60
     assert r.memory.budget.max_turns == 20
-    assert r.memory.eviction.order == ("pinned", "recent_turns", "length")
+    assert r.memory.eviction.order == ("pinned", "recent_turns", "compact_tools", "length")
+    assert r.memory.eviction.compact.keep_recent == 1
     assert r.memory.eviction.max_pinned == 8 and r.memory.eviction.drop_unit == "turn"
     assert r.memory.markers.system_prefix == "[PIN]" and r.memory.markers.min_score == 0.7
     assert r.model_info("gpt-4o-mini").encoding == "o200k_base"

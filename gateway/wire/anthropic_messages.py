@@ -30,6 +30,7 @@ from ..conversation import (
 )
 from ..jsonbytes import Edit, elements, members
 from ..media import Piece
+from ..policy.compact import ToolResult
 from ..tokens import PER_MESSAGE, REPLY_PRIMING, TokenCounter
 from .base import Wire, json_text
 
@@ -206,6 +207,33 @@ class AnthropicMessages(Wire):
     def starts_turn(self, item: Any) -> bool:
         return (isinstance(item, dict) and item.get("role") == "user"
                 and not tool_ids(item.get("content"), "tool_result", "tool_use_id"))
+
+    def tool_results(self, items: list[Any]) -> list[ToolResult]:
+        # a tool_result's content: a string, or text blocks only (they become one string;
+        # a block with an image, a cache breakpoint or anything else keeps it as it is)
+        names: dict[Any, str] = {}
+        out = []
+        for i, m in enumerate(items):
+            if not isinstance(m, dict):
+                continue
+            blocks = _blocks(m.get("content"))
+            for b in blocks:
+                if b.get("type") == "tool_use" and isinstance(b.get("name"), str):
+                    names[b.get("id")] = b["name"]
+            if m.get("role") != "user" or not isinstance(m.get("content"), list):
+                continue
+            for k, b in enumerate(m["content"]):
+                if not isinstance(b, dict) or b.get("type") != "tool_result":
+                    continue
+                c = b.get("content")
+                if isinstance(c, list) and c and all(
+                        isinstance(t, dict) and t.keys() == {"type", "text"}
+                        and t["type"] == "text" and isinstance(t["text"], str) for t in c):
+                    c = "\n".join(t["text"] for t in c)
+                if isinstance(c, str):
+                    out.append(ToolResult(i, ("content", k, "content"), c,
+                                          names.get(b.get("tool_use_id"))))
+        return out
 
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
         return counter.count_pieces(message_pieces(item))

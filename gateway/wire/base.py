@@ -8,7 +8,8 @@ import orjson
 
 from ..conversation import META_KEY, Conversation
 from ..errors import ApiFlavor
-from ..jsonbytes import Edit, Span, apply, cut, elements, members, ws
+from ..jsonbytes import Edit, Span, apply, cut, elements, members, value_span, ws
+from ..policy.compact import ToolResult
 from ..tokens import TokenCounter
 
 __all__ = ["META_KEY", "Wire", "json_text", "text_of"]
@@ -87,6 +88,11 @@ class Wire:
         whose bytes start at b[at] (none: nothing to mark)."""
         return []
 
+    def tool_results(self, items: list[Any]) -> list[ToolResult]:
+        """The text results of tool calls in `items`, oldest first (what compaction may
+        shorten); none on a wire without tool results."""
+        return []
+
     def listed(self, value: bytes) -> bytes | None:
         """When `items()` makes its list out of a value that is not one (a Responses
         `input` string): that list's bytes, from the value's (None: not a list here)."""
@@ -95,13 +101,15 @@ class Wire:
     def build_body(
         self, raw: bytes, payload: dict[str, Any], kept: list[int],
         marker_at: int | None = None, note: str | None = None, note_before: int | None = None,
-        metadata: bool = True,
+        metadata: bool = True, texts: dict[int, list[tuple[Any, str]]] | None = None,
     ) -> bytes | None:
         """The client's body `raw` (parsed: `payload`) with only the `kept` items (in
         order), the gateway metadata cut out of them (`metadata`: any item may hold
         some); `marker_at` (an index in kept) gets a cache breakpoint moved onto it;
         `note` goes right before item `note_before` (the current turn), after the
-        stable prefix. Made from the client's bytes: every other byte is the client's.
+        stable prefix; `texts` gives kept items a new string at a path inside them (a
+        compacted tool result: only that value's bytes change). Made from the client's
+        bytes: every other byte is the client's.
         None when the bytes cannot be read so (the caller forwards them unchanged)."""
         items = self.items(payload)
         if items is None:
@@ -112,12 +120,12 @@ class Wire:
             m = [m for m in top if m.name == key][-1]  # the one orjson read
             if m.items is not None:
                 return apply(raw, self._item_edits(raw, m.items, items, kept, marker_at,
-                                                   note, note_before, metadata))
+                                                   note, note_before, metadata, texts))
             listed = self.listed(raw[m.value : m.end])
             if listed is None:
                 return None
             edits = self._item_edits(listed, elements(listed, 0, items), items, kept,
-                                     marker_at, note, note_before, metadata)
+                                     marker_at, note, note_before, metadata, texts)
             return b"".join((raw[: m.value], apply(listed, edits), raw[m.end :]))
         except (IndexError, ValueError):  # orjson's decode error included
             return None
@@ -125,6 +133,7 @@ class Wire:
     def _item_edits(
         self, b: bytes, spans: list[Span], items: Any, kept: list[int],
         marker_at: int | None, note: str | None, note_before: int | None, metadata: bool,
+        texts: dict[int, list[tuple[Any, str]]] | None = None,
     ) -> list[Edit]:
         if len(spans) != len(items):
             raise ValueError("items differ from their bytes")
@@ -138,6 +147,10 @@ class Wire:
                 ms = members(b, spans[i][0])
                 edits += cut([(x.start, x.end) for x in ms],
                              [k for k, x in enumerate(ms) if x.name != META_KEY])
+        for i, subs in (texts or {}).items():
+            for path, text in subs:
+                start, end = value_span(b, spans[i][0], items[i], path)
+                edits.append((start, end, orjson.dumps(text)))
         if marker_at is not None:
             edits += self.cache_marker_edits(b, spans[marker_at][0], items[marker_at])
         return edits

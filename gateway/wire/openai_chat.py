@@ -21,6 +21,7 @@ from ..conversation import (
     message_pin,
 )
 from ..media import Piece
+from ..policy.compact import ToolResult
 from ..tokens import PER_MESSAGE, PER_NAME, REPLY_PRIMING, TokenCounter
 from .base import Wire
 
@@ -208,6 +209,21 @@ class OpenAIChat(Wire):
 
     def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
         return parse(items, prefix, min_score)
+
+    def tool_results(self, items: list[Any]) -> list[ToolResult]:
+        names: dict[Any, str] = {}
+        out = []
+        for i, m in enumerate(items):
+            if not isinstance(m, dict):
+                continue
+            for call in m.get("tool_calls") or () if m.get("role") == "assistant" else ():
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+                    names[call.get("id")] = fn["name"]
+            if m.get("role") == "tool" and isinstance(m.get("content"), str):
+                out.append(ToolResult(i, ("content",), m["content"],
+                                      names.get(m.get("tool_call_id"))))
+        return out
 
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
         return message_tokens(item, counter)

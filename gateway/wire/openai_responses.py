@@ -34,6 +34,7 @@ from ..conversation import (
     str_fields,
 )
 from ..media import Piece
+from ..policy.compact import ToolResult
 from ..tokens import PER_MESSAGE, REPLY_PRIMING, TokenCounter
 from .base import Wire, json_text, text_of
 from .openai_chat import content_pieces, part_pieces
@@ -280,6 +281,20 @@ class OpenAIResponses(Wire):
     def listed(self, value: bytes) -> bytes | None:
         # `input` as a string is one user message: the list `items()` reads it as
         return b'[{"role":"user","content":' + value + b"}]" if value[:1] == b'"' else None
+
+    def tool_results(self, items: list[Any]) -> list[ToolResult]:
+        # a string `output` (computer_call_output's is a screenshot object: not text)
+        names: dict[Any, str] = {}
+        out = []
+        for i, it in enumerate(items):
+            if not isinstance(it, dict):
+                continue
+            t = item_type(it)
+            if t in CALLS and isinstance(it.get("name"), str):
+                names[it.get("call_id")] = it["name"]
+            elif t in OUTPUTS and isinstance(it.get("output"), str):
+                out.append(ToolResult(i, ("output",), it["output"], names.get(it.get("call_id"))))
+        return out
 
     def item_tokens(self, item: Any, counter: TokenCounter) -> int:
         return counter.count_pieces(item_pieces(item)) if isinstance(item, dict) else 0

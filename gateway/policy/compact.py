@@ -1,0 +1,248 @@
+"""Tool-result compaction: old, bulky tool results shrunk in place before turns are dropped.
+
+Pure: a compacted text is a function of the result's text and the rules alone (no
+session, no clock), so the same history compacts to the same bytes on every request
+and replica and providers' prompt caches keep hitting. Lossless first (a JSON result
+with its whitespace removed); past the target size, excerpts that keep what an agent
+reads: head and tail lines and error lines of a text, the first and last elements of a
+long JSON list, one element of each shape, heads and tails of long strings. Every
+omission is said in the text ("[memgate: ...]"), never silent, and a text that holds
+that marker is left alone, so compacting twice changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+MARK = "[memgate: "
+_ERROR = re.compile(r"error|warn|fail|exception|traceback|fatal|denied|not found", re.IGNORECASE)
+# JSON whitespace outside strings (strings matched whole, so theirs stays)
+_JSON_WS = re.compile(r'("(?:[^"\\]|\\.)*")|[ \t\n\r]+', re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class CompactRules:
+    min_chars: int = 2000  # results shorter than this stay as they are
+    keep_recent: int = 1  # the newest N tool results are never compacted
+    exclude_tools: tuple[str, ...] = ()
+    target_chars: int = 1200  # a lossless form up to this size is enough
+    head_lines: int = 12
+    tail_lines: int = 6
+    error_lines: int = 12  # at most this many error/warning lines from the middle
+    max_line: int = 300  # characters of one kept line (or JSON string)
+    max_items: int = 8  # elements of a JSON list / members of an object kept
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """One tool result of a history: item `index`, the text at `path` inside it (keys
+    and list indices from the item), the tool's name when its call says."""
+
+    index: int
+    path: tuple[str | int, ...]
+    text: str
+    tool: str | None
+
+
+def archive_id(tenant: str, text: str) -> str:
+    """The id the original of a compacted result is archived under: from its content
+    (the same on every request and replica) and the tenant, whose store holds it (ids
+    are unique across a store)."""
+    digest = hashlib.sha256(tenant.encode() + b"\0" + text.encode("utf-8", "surrogatepass"))
+    return "cmp-" + digest.hexdigest()[:32]
+
+
+def compact_text(text: str, rules: CompactRules, archived_as: str | None = None) -> str | None:
+    """The compacted form of a tool result's text, or None: left as it is (short,
+    already compacted, or nothing to gain). `archived_as`: the id its original is
+    archived under, said in the marker (None: not archived)."""
+    if len(text) < rules.min_chars or MARK in text:
+        return None
+    value = _json(text)
+    if value is not None:
+        ws = sum(map(text.count, " \n\t\r"))  # minifying removes at most these
+        if len(text) - ws <= rules.target_chars:
+            minified = _JSON_WS.sub(lambda m: m.group(1) or "", text)
+            if len(minified) <= rules.target_chars:
+                return minified if minified != text else None
+        out = _Shrink(rules)
+        body = orjson.dumps(out.value(value[0])).decode()
+        what = out.said()
+    else:
+        body, what = _lines(text, rules)
+    if len(body) >= len(text):
+        return None
+    where = f"full result archived as {archived_as}" if archived_as else "not archived"
+    return (f"{body}\n{MARK}compacted tool result, {len(text):,} characters: {what}; "
+            f"{len(text) - len(body):,} characters omitted; {where}]")
+
+
+def _json(text: str) -> tuple[Any] | None:
+    """(the parse,) of a JSON object or array text, None otherwise (big integers orjson
+    cannot read make it a text)."""
+    head = text.lstrip()[:1]
+    if head not in ("{", "["):
+        return None
+    try:
+        return (orjson.loads(text),)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _cut(s: str, limit: int) -> tuple[str, int]:
+    """A string's head and tail around an inline marker, and how many characters went."""
+    if len(s) <= limit:
+        return s, 0
+    head, tail = limit * 2 // 3, limit // 3
+    gone = len(s) - head - tail
+    return f"{s[:head]} {MARK}{gone:,} characters omitted] {s[len(s) - tail:]}", gone
+
+
+def _lines(text: str, rules: CompactRules) -> tuple[str, str]:
+    """Head, tail and error lines of a text, each run of omitted lines marked in place."""
+    lines = text.splitlines()
+    n = len(lines)
+    keep = set(range(min(n, rules.head_lines))) | set(range(max(0, n - rules.tail_lines), n))
+    errors = [i for i in range(n) if i not in keep and _ERROR.search(lines[i])]
+    keep.update(errors[: rules.error_lines])
+    out: list[str] = []
+    omitted = shortened = 0
+    run = 0
+    for i, line in enumerate(lines):
+        if i not in keep:
+            run += 1
+            continue
+        if run:
+            out.append(f"{MARK}{run:,} lines omitted]")
+            omitted += run
+            run = 0
+        kept, gone = _cut(line, rules.max_line)
+        shortened += gone > 0
+        out.append(kept)
+    if run:
+        out.append(f"{MARK}{run:,} lines omitted]")
+        omitted += run
+    what = f"{omitted:,} of {n:,} lines omitted"
+    if shortened:
+        what += f", {shortened:,} long lines shortened"
+    return "\n".join(out), what
+
+
+class _Shrink:
+    """A JSON value with long lists, objects and strings excerpted, counting what went."""
+
+    def __init__(self, rules: CompactRules) -> None:
+        self.rules = rules
+        self.items = self.members = self.strings = 0
+
+    def value(self, v: Any) -> Any:
+        if isinstance(v, str):
+            r = self.rules
+            if len(v) > r.max_line and v.count("\n") >= r.head_lines + r.tail_lines:
+                self.strings += 1  # a text inside the JSON (a file, a diff): its lines
+                return _lines(v, r)[0]
+            s, gone = _cut(v, r.max_line)
+            self.strings += gone > 0
+            return s
+        if isinstance(v, list):
+            return self._list(v)
+        if isinstance(v, dict):
+            return self._object(v)
+        return v
+
+    def _list(self, v: list[Any]) -> list[Any]:
+        n, limit = len(v), self.rules.max_items
+        if n <= limit:
+            return [self.value(x) for x in v]
+        # what makes elements alike: an object's keys, else the type (mapped in C: a
+        # list of thousands of numbers is common)
+        types = list(map(type, v))
+        kinds = set(types)
+        shapes: list[Any] = ([tuple(x) if t is dict else t for x, t in zip(v, types)]
+                             if dict in kinds else types)
+        first = dict(zip(reversed(shapes), range(n - 1, -1, -1)))  # shape -> first index
+        # the first and last elements, the first of each other shape, error-looking ones
+        keep = {0, n - 1, *sorted(first.values())[: limit - 2]}
+        if dict in kinds or str in kinds:
+            for i in range(n):
+                if len(keep) >= limit:
+                    break
+                if i not in keep and types[i] in (dict, str) and _ERROR.search(
+                        orjson.dumps(v[i]).decode()):
+                    keep.add(i)
+        for i in range(n):  # the rest of the room: the head
+            if len(keep) >= limit:
+                break
+            keep.add(i)
+        out: list[Any] = []
+        prev = -1
+        for i in sorted(keep):
+            if i > prev + 1:
+                out.append(self._gap(shapes, first, prev + 1, i))
+            out.append(self.value(v[i]))
+            prev = i
+        return out
+
+    def _gap(self, shapes: list[Any], first: dict[Any, int], a: int, b: int) -> str:
+        """The marker for elements a..b-1 omitted."""
+        self.items += b - a
+        alike = set(shapes[a:b])
+        if len(alike) == 1 and type(shape := alike.pop()) is tuple:
+            return (f"{MARK}{b - a:,} elements omitted, with the keys of element "
+                    f"{first[shape]}]")
+        return f"{MARK}{b - a:,} elements omitted]"
+
+    def _object(self, v: dict[str, Any]) -> dict[str, Any]:
+        names = list(v)
+        limit = self.rules.max_items
+        if len(names) <= limit:
+            return {k: self.value(x) for k, x in v.items()}
+        gone = len(names) - limit
+        self.members += gone
+        out = {k: self.value(v[k]) for k in names[: limit - 1]}
+        out["[memgate]"] = f"{MARK}{gone:,} members omitted]"
+        out[names[-1]] = self.value(v[names[-1]])
+        return out
+
+    def said(self) -> str:
+        parts = []
+        if self.items:
+            parts.append(f"{self.items:,} list elements omitted")
+        if self.members:
+            parts.append(f"{self.members:,} object members omitted")
+        if self.strings:
+            parts.append(f"{self.strings:,} long strings shortened")  # a count: no plural
+        return ", ".join(parts) or "whitespace removed"
+
+
+def eligible(results: Sequence[ToolResult], rules: CompactRules,
+             protected: frozenset[int] = frozenset(), unread: int | None = None
+             ) -> list[ToolResult]:
+    """The results that may be compacted: all but the newest keep_recent and those from
+    item `unread` on (after the last assistant item: the model has not read them yet,
+    e.g. parallel calls' results), not the excluded tools' nor those of `protected`
+    items (pins), at least min_chars long."""
+    old = results[: max(0, len(results) - rules.keep_recent)]
+    return [r for r in old
+            if r.index not in protected and len(r.text) >= rules.min_chars
+            and (unread is None or r.index < unread)
+            and (r.tool is None or r.tool not in rules.exclude_tools)]
+
+
+def with_text(item: Any, path: Sequence[str | int], text: str) -> Any:
+    """A copy of `item` with the value at `path` replaced by `text` (copied along the
+    path only: the item itself is the client's parse and stays as it came)."""
+    if not path:
+        return text
+    head, rest = path[0], path[1:]
+    if isinstance(item, dict):
+        return {**item, head: with_text(item[head], rest, text)}
+    out = list(item)
+    out[head] = with_text(item[head], rest, text)  # type: ignore[index]
+    return out

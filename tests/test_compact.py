@@ -1,0 +1,400 @@
+"""compact_tools: old, bulky tool results shrunk in place, every omission said."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.chat import decide
+from gateway.policy.compact import MARK, CompactRules, compact_text
+from gateway.rules import build_rules
+from gateway.tokens import Tokenizers
+from gateway.wire.anthropic_messages import ANTHROPIC_MESSAGES
+from gateway.wire.openai_chat import OPENAI_CHAT
+
+from .conftest import ROOT, GatewayFactory, Upstream
+from .test_forward_bytes import split_list
+from .test_proxy import post_raw
+
+R = CompactRules()
+BIG = 123456789012345678901234567893  # past 64 bits: orjson would read it as a float
+TRAILER = re.compile(r"\[memgate: compacted tool result, ([\d,]+) characters: (.+); "
+                     r"([\d,]+) characters omitted; not archived\]$")
+
+
+def rows(n: int) -> list[dict[str, Any]]:
+    return [{"id": i, "name": f"item-{i}", "price": 10.5 + i, "status": "ok"} for i in range(n)]
+
+
+def test_json_rows_keep_first_last_other_shapes_and_errors() -> None:
+    data = rows(60)
+    data[30] = {"id": 30, "error": "timeout"}  # another shape
+    data[41] = {"id": 41, "name": "item-41", "price": 1.0, "status": "failed: disk"}
+    out = compact_text(json.dumps(data, indent=2), R)
+    assert out is not None
+    body, trailer = out.rsplit("\n", 1)
+    kept = orjson.loads(body)
+    assert kept[0] == data[0] and kept[-1] == data[-1]
+    assert data[30] in kept and data[41] in kept
+    gaps = [x for x in kept if isinstance(x, str)]
+    assert gaps and all(g.startswith(MARK) for g in gaps)
+    assert sum(int(re.search(r"([\d,]+) elements", g)[1]) for g in gaps) == (  # type: ignore[index]
+        60 - (len(kept) - len(gaps)))
+    assert any("with the keys of element 0" in g for g in gaps)
+    m = TRAILER.search(trailer)
+    assert m is not None and int(m[1].replace(",", "")) == len(json.dumps(data, indent=2))
+
+
+def test_log_lines_keep_head_tail_and_errors() -> None:
+    lines = [f"2024-05-01 12:00:{i:02d} step {i} done" for i in range(300)]
+    lines[150] = "2024-05-01 12:02:30 ERROR disk full on /var"
+    lines[200] = "Traceback (most recent call last):"
+    text = "\n".join(lines)
+    out = compact_text(text, R)
+    assert out is not None
+    kept = out.splitlines()
+    assert kept[: R.head_lines] == lines[: R.head_lines]
+    assert kept[-1 - R.tail_lines : -1] == lines[-R.tail_lines :]
+    assert lines[150] in kept and lines[200] in kept
+    omitted = [int(m[1].replace(",", "")) for ln in kept
+               if (m := re.fullmatch(r"\[memgate: ([\d,]+) lines omitted\]", ln))]
+    assert sum(omitted) == 300 - len([ln for ln in kept[:-1] if not ln.startswith(MARK)])
+    assert f"{sum(omitted)} of 300 lines omitted" in kept[-1]
+    assert TRAILER.search(kept[-1])
+
+
+def test_long_strings_and_lines_are_cut_with_a_count() -> None:
+    text = json.dumps({"file_content": "x" * 5000, "size": 5000})
+    out = compact_text(text, R)
+    assert out is not None
+    body = orjson.loads(out.rsplit("\n", 1)[0])
+    assert body["size"] == 5000
+    s = body["file_content"]
+    gone = int(re.search(r"\[memgate: ([\d,]+) characters omitted\]", s)[1].replace(",", ""))  # type: ignore[index]
+    assert gone == 5000 - s.count("x")
+
+
+def test_lossless_minify_when_it_is_enough() -> None:
+    data = {"a": [1, 2, 3], "b": {"c": "d  e"}}
+    text = json.dumps(data, indent=200)
+    assert len(text) >= R.min_chars
+    out = compact_text(text, R)
+    assert out == '{"a":[1,2,3],"b":{"c":"d  e"}}'
+    assert compact_text(out + " " * R.min_chars, R) == out  # idempotent up to whitespace
+
+
+def test_short_compacted_and_unhelpful_results_are_left_alone() -> None:
+    assert compact_text("short", R) is None
+    assert compact_text(json.dumps(rows(200)), replace_rules(min_chars=10**9)) is None
+    once = compact_text(json.dumps(rows(200)), R)
+    assert once is not None and compact_text(once, R) is None
+    assert compact_text(once * 3, R) is None  # a marked text is never compacted again
+    assert compact_text(json.dumps(rows(200)), R) == once  # the same bytes every time
+
+
+def replace_rules(**kw: Any) -> CompactRules:
+    from dataclasses import replace
+    return replace(R, **kw)
+
+
+def test_config_refuses_compact_after_length() -> None:
+    from gateway.errors import RulesError
+    with pytest.raises(RulesError, match="compact_tools must come before length"):
+        build_rules({"memory": {"eviction": {"order": ["length", "compact_tools"]}}})
+    r = build_rules({"memory": {"eviction": {"compact": {"min_chars": 500,
+                                                         "exclude_tools": ["read_file"]}}}})
+    assert r.memory.eviction.compact.min_chars == 500
+    assert r.memory.eviction.compact.exclude_tools == ("read_file",)
+
+
+# --- the invariants, over generated agent histories -------------------------------
+
+_RULES: dict[Any, Any] = {}
+_TOK = Tokenizers(100_000)
+
+
+def rules_for(budget: int, unit: str, keep_recent: int, low_water: float) -> Any:
+    key = (budget, unit, keep_recent, low_water)
+    if key not in _RULES:
+        _RULES[key] = build_rules({
+            "memory": {"enable_eviction": True,
+                       "budget": {"max_tokens": budget, "max_chars": None, "max_messages": None,
+                                  "max_turns": None},
+                       "eviction": {"order": ["pinned", "recent_turns", "compact_tools", "length"],
+                                    "drop_unit": unit, "low_water": low_water,
+                                    "compact": {"min_chars": 300, "keep_recent": keep_recent,
+                                                "exclude_tools": ["keep_me"]}}},
+            "tokens": {"models_file": str(ROOT / "rules" / "models.yaml")}}, base_dir=ROOT)
+    return _RULES[key]
+
+
+@st.composite
+def tool_output(draw: st.DrawFn) -> str:
+    kind = draw(st.sampled_from(["rows", "log", "short", "blob"]))
+    n = draw(st.integers(1, 80))
+    if kind == "rows":
+        return json.dumps(rows(n), indent=draw(st.sampled_from([None, 2])))
+    if kind == "log":
+        return "\n".join(f"line {i} {'ERROR x' if i % 17 == 5 else 'ok'} caf\u00e9"
+                         for i in range(n * 3))
+    if kind == "blob":
+        return json.dumps({"content": "w\u00f6rd " * (n * 40), "n": n})
+    return f"done {n}"
+
+
+@st.composite
+def agent_body(draw: st.DrawFn) -> tuple[str, dict[str, Any], bytes, Any, bool]:
+    api = draw(st.sampled_from(["chat", "messages"]))
+    items: list[dict[str, Any]] = []
+    for t in range(draw(st.integers(1, 6))):
+        items.append({"role": "user", "content": f"task {t}: please check"})
+        for c in range(draw(st.integers(0, 3))):
+            cid, out = f"call_{t}_{c}", draw(tool_output())
+            tool = draw(st.sampled_from(["search", "read", "keep_me"]))
+            if api == "chat":
+                items.append({"role": "assistant", "content": None, "tool_calls": [
+                    {"id": cid, "type": "function",
+                     "function": {"name": tool, "arguments": "{}"}}]})
+                items.append({"role": "tool", "tool_call_id": cid, "content": out})
+            else:
+                items.append({"role": "assistant", "content": [
+                    {"type": "tool_use", "id": cid, "name": tool, "input": {}}]})
+                blocks = draw(st.booleans())
+                items.append({"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": cid,
+                     "content": [{"type": "text", "text": out}] if blocks else out}]})
+        items.append({"role": "assistant", "content": f"done {t}"})
+    items.append({"role": "user", "content": "and now?"})
+    if draw(st.booleans()):  # the model's parallel calls, their results not read yet
+        outs = [(f"call_p{k}", draw(tool_output())) for k in range(2)]
+        if api == "chat":
+            items.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": c, "type": "function", "function": {"name": "read", "arguments": "{}"}}
+                for c, _ in outs]})
+            items += [{"role": "tool", "tool_call_id": c, "content": o} for c, o in outs]
+        else:
+            items.append({"role": "assistant", "content": [
+                {"type": "tool_use", "id": c, "name": "read", "input": {}} for c, _ in outs]})
+            items.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": c, "content": o} for c, o in outs]})
+    body = {"model": "gpt-4o-mini" if api == "chat" else "claude-3-5-haiku-20241022",
+            "max_tokens": 50, "messages": items}
+    sep = draw(st.sampled_from([(",", ":"), (", ", ": ")]))
+    ascii_only = draw(st.booleans())
+    return api, body, json.dumps(body, separators=sep, ensure_ascii=ascii_only).encode(), sep, \
+        ascii_only
+
+
+def pairs_whole(api: str, msgs: list[dict[str, Any]]) -> bool:
+    if api == "chat":
+        calls = {c["id"] for m in msgs for c in m.get("tool_calls") or ()}
+        results = {m["tool_call_id"] for m in msgs if m["role"] == "tool"}
+    else:
+        def ids(kind: str, key: str) -> set[str]:
+            return {b[key] for m in msgs if isinstance(m["content"], list)
+                    for b in m["content"] if b.get("type") == kind}
+        calls, results = ids("tool_use", "id"), ids("tool_result", "tool_use_id")
+    return calls == results
+
+
+@given(case=agent_body(), budget=st.sampled_from([300, 800, 2000]),
+       unit=st.sampled_from(["turn", "group"]), keep_recent=st.integers(0, 2),
+       low_water=st.sampled_from([0.6, 1.0]))
+def test_compaction_keeps_pairs_bytes_and_is_idempotent(
+    case: Any, budget: int, unit: str, keep_recent: int, low_water: float
+) -> None:
+    api, body, raw, sep, ascii_only = case
+    wire = OPENAI_CHAT if api == "chat" else ANTHROPIC_MESSAGES
+    rules = rules_for(budget, unit, keep_recent, low_water)
+    d = decide(raw, orjson.loads(raw), rules, _TOK, wire)
+    assert d.plan is not None
+    fwd = d.forward
+    assert decide(raw, orjson.loads(raw), rules, _TOK, wire).forward == fwd  # deterministic
+    sent = orjson.loads(fwd)["messages"]
+    assert pairs_whole(api, sent)
+    results = wire.tool_results(body["messages"])
+    protected = {r.index for r in results[len(results) - keep_recent:]} if keep_recent else set()
+    last_assistant = max(i for i, m in enumerate(body["messages"]) if m["role"] == "assistant"
+                         ) if any(m["role"] == "assistant" for m in body["messages"]) else -1
+    protected |= {r.index for r in results if r.index > last_assistant}
+    orig_items = split_list(raw[raw.index(b"[", raw.index(b'"messages"')):])
+    fwd_items = split_list(fwd[fwd.index(b"[", fwd.index(b'"messages"')):])
+    assert len(fwd_items) == len(d.plan.kept)
+    for i, item in zip(d.plan.kept, fwd_items, strict=True):
+        if i not in d.compacted:
+            assert item == orig_items[i]  # byte for byte
+            continue
+        assert i not in protected
+        for path, text in d.compacted[i]:
+            out = _at(body["messages"][i], path)
+            assert text != out
+            assert compact_text(text, rules.memory.eviction.compact) is None  # idempotent
+            assert "keep_me" not in _tool_of(results, i)
+            # the item's bytes with the new string's spelling put back to the old one's
+            new = orjson.dumps(text)
+            old = json.dumps(out, separators=sep, ensure_ascii=ascii_only).encode()
+            assert item.count(new) == 1
+            item = item.replace(new, old)
+        assert item == orig_items[i]
+    if not d.plan.over_budget:  # planning the output again changes nothing
+        assert decide(fwd, orjson.loads(fwd), rules, _TOK, wire).forward == fwd
+
+
+def _at(item: Any, path: Any) -> Any:
+    for step in path:
+        item = item[step]
+    return item
+
+
+def _tool_of(results: Any, i: int) -> str:
+    return " ".join(str(r.tool) for r in results if r.index == i)
+
+
+# --- through the gateway ----------------------------------------------------------
+
+COMPACTING = {"enable_eviction": True,
+              "budget": {"max_tokens": 3000, "max_chars": None, "max_messages": None,
+                         "max_turns": None},
+              "eviction": {"order": ["pinned", "recent_turns", "compact_tools", "length"],
+                           "low_water": 1.0, "compact": {"keep_recent": 1}}}
+
+
+def agent_history(api: str) -> dict[str, Any]:
+    items: list[dict[str, Any]] = []
+    for t in range(3):
+        items.append({"role": "user", "content": f"look up batch {t}"})
+        out = json.dumps(rows(60), indent=1)
+        if api == "chat":
+            items += [{"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"c{t}", "type": "function",
+                 "function": {"name": "search", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": f"c{t}", "content": out}]
+        else:
+            items += [{"role": "assistant", "content": [
+                {"type": "tool_use", "id": f"c{t}", "name": "search", "input": {}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": f"c{t}", "content": out}]}]
+        items.append({"role": "assistant", "content": f"batch {t} checked"})
+    items.append({"role": "user", "content": "summarise"})
+    return {"model": "gpt-4o-mini" if api == "chat" else "claude-3-5-haiku-20241022",
+            "max_tokens": 50, "messages": items}
+
+
+@pytest.mark.parametrize("api", ["chat", "messages"])
+async def test_gateway_compacts_old_tool_results_instead_of_dropping_turns(
+    gateway: GatewayFactory, upstream: Upstream, api: str
+) -> None:
+    gw = await gateway(memory=COMPACTING)
+    body = agent_history(api)
+    raw = json.dumps(body).encode()
+    path = "/v1/chat/completions" if api == "chat" else "/v1/messages"
+    status, _, _ = await post_raw(gw, raw, path)
+    assert status == 200
+    sent = json.loads(upstream.received[-1]["raw"])["messages"]
+    ev = (await gw.wait_mem(1))[-1]
+    # the three turns stay (without compaction the budget holds one): two results shortened
+    assert len(sent) == len(body["messages"]) and ev["dropped"] == "0", ev
+    assert ev["compacted"] == "2" and int(ev["compacted_saved_tokens"]) > 1500, ev
+
+    def result(m: dict[str, Any]) -> str | None:
+        if m["role"] == "tool":
+            return str(m["content"])
+        c = m["content"]
+        if isinstance(c, list) and c and c[0].get("type") == "tool_result":
+            return str(c[0]["content"])
+        return None
+
+    texts = [t for m in sent if (t := result(m)) is not None]
+    assert [MARK in t for t in texts] == [True, True, False]  # the newest stays whole
+    assert TRAILER.search(texts[0]) and texts[0] == texts[1]
+    for a, b in zip(sent, body["messages"], strict=True):
+        if result(b) is None:
+            assert a == b
+    # the same history again: the same bytes (a provider's prompt cache keeps hitting)
+    first = upstream.received[-1]["raw"]
+    await post_raw(gw, raw, path)
+    assert upstream.received[-1]["raw"] == first
+
+
+def test_responses_outputs_are_compacted_in_their_output_bytes() -> None:
+    """function_call_output and custom_tool_call_output: only `output`'s bytes change."""
+    from gateway.wire.openai_responses import OPENAI_RESPONSES
+    items: list[dict[str, Any]] = []
+    for t, kind in enumerate(["function_call", "custom_tool_call", "function_call"]):
+        items.append({"type": "message", "role": "user", "content": f"step {t}"})
+        items.append({"type": kind, "call_id": f"c{t}", "name": "grep",
+                      **({"arguments": "{}"} if kind == "function_call" else {"input": "x"})})
+        items.append({"type": f"{kind}_output", "call_id": f"c{t}",
+                      "output": "\n".join(f"match {i}: ok" for i in range(400)), "seq": BIG})
+        items.append({"type": "message", "role": "assistant", "content": f"seen {t}"})
+    items.append({"type": "message", "role": "user", "content": "next"})
+    raw = json.dumps({"model": "gpt-4o-mini", "input": items}).encode()
+    rules = rules_for(3000, "turn", 1, 1.0)
+    d = decide(raw, orjson.loads(raw), rules, _TOK, OPENAI_RESPONSES)
+    assert sorted(d.compacted) == [2, 6] and d.plan is not None and not d.plan.dropped
+    sent = split_list(d.forward[d.forward.index(b"[") :])
+    orig = split_list(raw[raw.index(b"[") :])
+    for i, item in enumerate(sent):
+        if i in d.compacted:
+            text = d.compacted[i][0][1]
+            assert "lines omitted" in text and str(BIG).encode() in item
+            item = item.replace(orjson.dumps(text), json.dumps(items[i]["output"]).encode())
+        assert item == orig[i]
+
+
+async def test_originals_are_archived_under_the_marker_id(
+    gateway: GatewayFactory, upstream: Upstream, tmp_path: Any
+) -> None:
+    """With the store archiving, a compacted result's marker names the id its original
+    is read back by (GET /v1/memories/{id}), in the caller's tenant only."""
+    import asyncio
+
+    import aiohttp
+
+    from .conftest import SECRET
+    gw = await gateway(memory=COMPACTING,
+                       store={"path": str(tmp_path / "m.db"), "archive": "evicted"})
+    body = agent_history("chat")
+    status, _, _ = await post_raw(gw, json.dumps(body).encode())
+    assert status == 200
+    sent = json.loads(upstream.received[-1]["raw"])["messages"]
+    text = sent[2]["content"]
+    m = re.search(r"full result archived as (cmp-[0-9a-f]{32})\]$", text)
+    assert m is not None, text[-200:]
+    url = f"{gw.url}/v1/memories/{m[1]}"
+    async with aiohttp.ClientSession() as s:
+        for _ in range(200):  # written behind the request
+            async with s.get(url, headers={"Authorization": f"Bearer {SECRET}"}) as r:
+                if r.status == 200:
+                    got = await r.json()
+                    break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("not archived: " + gw.log.getvalue()[-3000:])
+        async with s.get(url, headers={"Authorization": "Bearer sk-another"}) as r:
+            assert r.status == 404
+    assert got["text"] == body["messages"][2]["content"]
+    assert got["tags"] == ["compacted"]
+
+
+def test_one_long_agent_turn_over_budget_is_compacted() -> None:
+    """An agent loop's current turn alone over the budget (nothing to drop): its older,
+    already answered results are compacted and the request fits."""
+    items: list[dict[str, Any]] = [{"role": "user", "content": "audit the logs"}]
+    for t in range(4):
+        items.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{t}", "type": "function", "function": {"name": "read", "arguments": "{}"}}]})
+        items.append({"role": "tool", "tool_call_id": f"c{t}",
+                      "content": "\n".join(f"{t}:{i} ok" for i in range(600))})
+    raw = json.dumps({"model": "gpt-4o-mini", "messages": items}).encode()
+    rules = rules_for(4000, "turn", 1, 1.0)
+    d = decide(raw, orjson.loads(raw), rules, _TOK)
+    assert d.plan is not None and not d.plan.dropped and not d.plan.over_budget
+    assert sorted(d.compacted) == [2, 4, 6]  # the newest result stays whole
+    assert orjson.loads(d.forward)["messages"][8] == items[8]
