@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -20,6 +20,7 @@ from .conversation import Conversation, Unplannable
 from .errors import BadRequest, OverBudget
 from .history import HistoryCache, View
 from .policy import Limits, Plan, PlanRules, plan
+from .policy.fill import forward_order
 from .rules import Rules
 from .splice import Splice
 from .tokens import TokenCounter, Tokenizers
@@ -181,6 +182,7 @@ def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
         drop_unit=m.eviction.drop_unit,
         min_score=m.markers.min_score,
         low_water=m.eviction.low_water,
+        recall_share=m.eviction.recall_share,
     )
     rules.remember(("plan_rules", max_tokens), hit)
     return hit
@@ -234,8 +236,10 @@ def decide(
         prules = plan_rules(rules, d.budget_tokens)
         overhead = d.overhead_tokens() if d.budget_tokens is not None else 0
         counted_by = (d.counter, d.token_factor)  # not the session `key`
+        text_of = _text_of(wire, items)
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
-                      tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by)
+                      tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by,
+                      text_of=text_of)
         if d.mode == "on" and (d.plan.dropped or recalled) and _carry_note(
                 d, rules, items, recalled):
             # the note is counted into the budget: plan again unless it fits the slack
@@ -244,7 +248,7 @@ def decide(
             narrower = _minus_note(prules, d)
             if not _fits(d.plan, narrower.limits):
                 d.plan = plan(d.conv, narrower, d.message_tokens, overhead_tokens=overhead,
-                              tokens_key=counted_by)
+                              tokens_key=counted_by, text_of=text_of)
         if (
             d.mode == "on"
             and d.plan.over_budget
@@ -266,8 +270,11 @@ def decide(
         if d.cache_marker_dropped and rules.memory.eviction.move_cache_marker:
             marker_at = _end_of_stable_prefix(d.conv, d.plan)
             d.cache_marker_moved = marker_at is not None
-        d.forward = wire.build_body(payload, list(d.plan.kept), marker_at, d.note,
-                                    current_turn_start(d.conv) if d.note else None)
+        current = current_turn_start(d.conv)
+        order = forward_order(d.plan.kept, d.plan.recalled,
+                              d.conv.n_messages if current is None else current)
+        d.forward = wire.build_body(payload, order, marker_at, d.note,
+                                    current if d.note else None)
     elif d.conv.has_metadata:
         # gateway metadata is ours: upstreams never see it, whatever the mode
         d.forward = wire.build_body(payload, list(range(len(items))))
@@ -353,6 +360,11 @@ def _minus_note(prules: PlanRules, d: Decision) -> PlanRules:
     ))
 
 
+def _text_of(wire: Wire, items: list[Any]) -> Callable[[int], str]:
+    """Message i's text, what the fill ranks dropped history by."""
+    return lambda i: wire.item_text(items[i])
+
+
 def _holds(ascending: Sequence[int], i: int) -> bool:
     k = bisect.bisect_left(ascending, i)
     return k < len(ascending) and ascending[k] == i
@@ -382,7 +394,8 @@ def _end_of_stable_prefix(conv: Conversation, p: Plan) -> int | None:
     """The last kept item before the current turn: the end of what stays identical."""
     start = current_turn_start(conv)
     start = conv.n_messages if start is None else start
-    before = [i for i in p.kept if i < start]
+    recalled = set(p.recalled)
+    before = [i for i in p.kept if i < start and i not in recalled]
     return before[-1] if before else None
 
 

@@ -46,6 +46,7 @@ class Eviction:
     on_over_budget: Literal["forward", "reject"] = "forward"
     low_water: float = 0.6
     move_cache_marker: bool = False
+    recall_share: float = 0.5  # of the budget, filled with the dropped history the request is about
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,7 +387,7 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | 
         m.get("eviction"),
         "memory.eviction",
         {"order", "keep_pinned", "max_pinned", "drop_unit", "on_over_budget", "low_water",
-         "move_cache_marker"},
+         "move_cache_marker", "recall_share"},
     )
     de = Eviction()
     eviction = Eviction(
@@ -401,6 +402,8 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | 
         move_cache_marker=r.get(
             e, "memory.eviction", "move_cache_marker", _bool, de.move_cache_marker
         ),
+        recall_share=r.get(e, "memory.eviction", "recall_share", _float(0.0, 0.9),
+                           de.recall_share),
     )
     k = r.section(m.get("markers"), "memory.markers", {"system_prefix", "min_score"})
     dk = Markers()
