@@ -79,6 +79,15 @@ class Decision:
                               if isinstance(self.payload, dict) else 0)
         return self._overhead
 
+    def forwarded(self) -> list[int]:
+        """The kept items in the order they are forwarded (recalled history moved after
+        the stable part, before the current turn)."""
+        assert self.plan is not None
+        current = current_turn_start(self.conv)
+        n = self.conv.n_messages if self.conv is not None else len(self.messages)
+        return forward_order(self.plan.kept, self.plan.recalled,
+                             n if current is None else current)
+
     def kept_tokens(self) -> int:
         """Estimated tokens of the request with only the plan's kept messages."""
         assert self.plan is not None
@@ -270,11 +279,8 @@ def decide(
         if d.cache_marker_dropped and rules.memory.eviction.move_cache_marker:
             marker_at = _end_of_stable_prefix(d.conv, d.plan)
             d.cache_marker_moved = marker_at is not None
-        current = current_turn_start(d.conv)
-        order = forward_order(d.plan.kept, d.plan.recalled,
-                              d.conv.n_messages if current is None else current)
-        d.forward = wire.build_body(payload, order, marker_at, d.note,
-                                    current if d.note else None)
+        d.forward = wire.build_body(payload, d.forwarded(), marker_at, d.note,
+                                    current_turn_start(d.conv) if d.note else None)
     elif d.conv.has_metadata:
         # gateway metadata is ours: upstreams never see it, whatever the mode
         d.forward = wire.build_body(payload, list(range(len(items))))

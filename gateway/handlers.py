@@ -114,6 +114,8 @@ def mem_fields(
         f.update(evict="none", kept=len(msgs), dropped=0, pinned=0)
     elif d.mode == "on":
         f.update(evict=p.evict, kept=len(p.kept), dropped=len(p.dropped), pinned=p.pinned)
+        if p.recalled:  # dropped history the fill brought back (counted in kept)
+            f.update(recalled=len(p.recalled), recalled_tokens=p.recalled_tokens)
     else:
         f.update(evict="none", kept=len(msgs), dropped=0, pinned=p.pinned,
                  would_drop=len(p.dropped))
@@ -302,7 +304,7 @@ async def _measure(
     if d is None:
         return head, tail
     if d.recalled:
-        tail["recalled"] = len(d.recalled)
+        tail["recalled_records"] = len(d.recalled)
     if (d.plan is not None and d.mode == "on"
             and state.rules.store.archive != "off" and state.memory is not None):
         agent = request.headers.get("X-Agent-Id", "") or "default"
@@ -384,7 +386,7 @@ async def _measure_session(
         msg_tokens = known_tokens + sum(d.message_tokens(i) for i in range(known, len(msgs)))
     fields = mem_fields(d, debug, est_tokens=d.overhead_tokens() + msg_tokens)
     on = d.plan is not None and d.mode == "on"
-    kept = d.plan.kept if on and d.plan is not None else tuple(range(len(msgs)))
+    kept = tuple(d.forwarded()) if on and d.plan is not None else tuple(range(len(msgs)))
     cut = on and d.plan is not None and bool(d.plan.dropped)
     if on:
         status, same = compare_cut(prev, grown, kept, cut)

@@ -117,7 +117,7 @@ async def test_archive_evicted_turns_once_and_recall_them(
                                {**AUTH, "X-Session-Id": "s-arch"})
         assert status == 200
     ev = gw.mem_events()
-    assert int(ev[0]["archived"]) > 0 and int(ev[0]["recalled"]) >= 1
+    assert int(ev[0]["archived"]) > 0 and int(ev[0]["recalled_records"]) >= 1
     assert int(ev[1]["archived"]) == 0  # resent: the session's turns are archived already
     sent = orjson.loads(upstream.received[-1]["raw"])["messages"]
     note = next(m["content"] for m in sent if m["content"].startswith("[memgate memory]"))
