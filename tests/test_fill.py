@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -127,15 +128,16 @@ def test_plan_recalls_the_relevant_dropped_turn_within_budget() -> None:
     j = out.index(msgs[7])
     assert all(m in msgs[1:7] or m in msgs[7:] for m in out[1:])
     stable = [m for m in out[1:j] if msgs.index(m) > 7]
-    assert stable and all(msgs.index(a) < msgs.index(b) for a, b in zip(stable, stable[1:]))
+    assert stable and all(msgs.index(a) < msgs.index(b) for a, b in pairwise(stable))
     # planning what was forwarded again drops nothing
     again = orjson.dumps({"model": "gpt-4o-mini", "messages": out})
     redo = decide(again, orjson.loads(again), chat_rules(0.5), TOK)
     assert redo.plan is not None and not redo.plan.dropped
 
 
-def test_no_fill_when_nothing_is_dropped_or_nothing_matches() -> None:
-    """A history that fits is forwarded as is; a question sharing no word recalls nothing."""
+def test_no_fill_when_nothing_is_dropped_openers_when_nothing_matches() -> None:
+    """A history that fits is forwarded as is; a question sharing no word with the history
+    brings back only dropped turns' opening user messages, newest first."""
     short = long_chat("cat?")[:5] + [{"role": "user", "content": "cat?"}]
     raw = orjson.dumps({"model": "gpt-4o-mini", "messages": short})
     d = decide(raw, orjson.loads(raw), chat_rules(0.5), TOK)
@@ -143,7 +145,10 @@ def test_no_fill_when_nothing_is_dropped_or_nothing_matches() -> None:
     msgs = long_chat("Zyxwv?")
     raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
     d = decide(raw, orjson.loads(raw), chat_rules(0.5), TOK)
-    assert d.plan is not None and d.plan.dropped and d.plan.recalled == ()
+    assert d.plan is not None and d.plan.dropped and d.plan.recalled
+    assert all(msgs[i]["role"] == "user" for i in d.plan.recalled)
+    dropped_users = [i for i, _ in d.plan.dropped if msgs[i]["role"] == "user"]
+    assert max(d.plan.recalled) > max(dropped_users)  # the newest went first
 
 
 async def test_http_dropped_relevant_turn_comes_back(
