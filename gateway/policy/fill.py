@@ -13,9 +13,10 @@ request (history.join), so a growing session never re-reads its old text.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..conversation import Conversation, Group
@@ -32,11 +33,11 @@ _MEMO_KEY = "fill_index"
 
 @dataclass(slots=True)
 class Index:
-    """Postings over groups[:n]: term -> [(group, term frequency)], ascending groups."""
+    """The words of groups[:n], per group."""
 
     n: int = 0
     last: Group | None = None  # groups[n - 1]: the same object while the session grows
-    postings: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    words: list[Mapping[str, int]] = field(default_factory=list)  # term -> frequency
     lengths: list[int] = field(default_factory=list)  # words per group
     total: int = 0  # sum(lengths)
 
@@ -45,6 +46,7 @@ def group_text(grp: Group, text_of: Callable[[int], str]) -> str:
     return "\n".join(text_of(i) for i in grp.indices)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _stem(word: str) -> str:
     """An English inflection off an indexed word ("researched" finds "research"; LoCoMo
     dev, 4k: +1.3 points); other scripts as indexed."""
@@ -60,19 +62,24 @@ def terms(text: str) -> list[str]:
     return [_stem(w) for w in index_text(text).split()]
 
 
+@functools.lru_cache(maxsize=8192)
+def _counted(text: str) -> Mapping[str, int]:
+    """A group's words by text: a history parsed again (no session cache, another
+    replica's session) is not read again (bounded: 8,192 texts, shared, never changed)."""
+    return Counter(terms(text))
+
+
 def index_history(conv: Conversation, end: int, text_of: Callable[[int], str]) -> Index:
     """The index of groups[:end], resumed from the memo when its groups are still these."""
     groups = conv.groups
     idx = conv.memo.get(_MEMO_KEY)
     if not isinstance(idx, Index) or idx.n > end or (idx.n and groups[idx.n - 1] is not idx.last):
         idx = Index()
-    postings, lengths = idx.postings, idx.lengths
     for g in range(idx.n, end):
-        words = Counter(terms(group_text(groups[g], text_of)))
-        for term, tf in words.items():
-            postings.setdefault(term, []).append((g, tf))
+        words = _counted(group_text(groups[g], text_of))
         n = sum(words.values())
-        lengths.append(n)
+        idx.words.append(words)
+        idx.lengths.append(n)
         idx.total += n
     if end:
         idx.n, idx.last = end, groups[end - 1]
@@ -80,34 +87,35 @@ def index_history(conv: Conversation, end: int, text_of: Callable[[int], str]) -
     return idx
 
 
-def bm25(idx: Index, terms: Sequence[str], eligible: Callable[[int], bool]) -> dict[int, float]:
-    """BM25 score of every eligible group that holds at least one of `terms`."""
+def bm25(idx: Index, query: Sequence[str], eligible: Container[int]) -> dict[int, float]:
+    """BM25 score of every eligible group that holds at least one of the query's terms."""
     n = idx.n
     if not n:
         return {}
     avg = idx.total / n or 1.0
-    lengths = idx.lengths
+    words, lengths = idx.words, idx.lengths
     scores: dict[int, float] = {}
-    for term in dict.fromkeys(terms):
-        hits = idx.postings.get(term)
+    for term in dict.fromkeys(query):
+        hits = [g for g in range(n) if term in words[g]]
         if not hits:
             continue
         idf = math.log(1.0 + (n - len(hits) + 0.5) / (len(hits) + 0.5))
-        for g, tf in hits:
-            if eligible(g):
+        for g in hits:
+            if g in eligible:
+                tf = words[g][term]
                 norm = K1 * (1.0 - B + B * lengths[g] / avg)
                 scores[g] = scores.get(g, 0.0) + idf * tf * (K1 + 1.0) / (tf + norm)
     return scores
 
 
-def rank(idx: Index, query: str, eligible: Callable[[int], bool]) -> list[int]:
+def rank(idx: Index, query: str, eligible: Container[int]) -> list[int]:
     """Eligible groups that share words with `query` or sit next to one that does, best
     first (ties: the newer)."""
     direct = bm25(idx, terms(query), eligible)
     scores = dict(direct)
     for g, score in direct.items():
         for h in (g - 1, g + 1):
-            if 0 <= h < idx.n and eligible(h):
+            if h in eligible:
                 scores[h] = scores.get(h, 0.0) + NEIGHBOUR * score
     return sorted(scores, key=lambda g: (-scores[g], -g))
 

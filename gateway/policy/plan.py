@@ -537,6 +537,11 @@ def _run_stages(
     return st
 
 
+# the fill stops after this many candidates in a row that did not fit: the budget is
+# as good as full, and every candidate tried is one more message to count
+_FILL_MISSES = 32
+
+
 def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     """Bring back dropped groups, most relevant to the current user message first (then
     the other dropped turns' opening messages), while they fit the whole budget; each comes with the user message that opens its turn (a
@@ -559,13 +564,14 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     turns = len({groups[g].turn for g, d in enumerate(decision)
                  if d is not None and d[0] == KEEP and groups[g].turn})
     mark = _mark(KEEP, "recalled")
-    ranked = fill.rank(idx, query, lambda g: dropped(g) and groups[g].turn > 0)
+    eligible = {g for g in range(end) if dropped(g) and groups[g].turn > 0}
+    ranked = fill.rank(idx, query, eligible)
     # then what was asked in the other dropped turns, newest first: a turn's opening
     # message is short and says what the turn was for (BFCL, 4k: +0.5 points of the
     # earlier user requests; LoCoMo: the ranked groups fill the budget before)
+    misses = 0  # candidates in a row that did not fit
     seen = set(ranked)
-    ranked += [g for g in range(end - 1, -1, -1)
-               if groups[g].is_user and groups[g].turn > 0 and dropped(g) and g not in seen]
+    ranked += [g for g in sorted(eligible, reverse=True) if groups[g].is_user and g not in seen]
     for g in ranked:
         a = st.anchor(g)
         if a is None or not dropped(g):
@@ -580,7 +586,11 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
             continue
         cost = st.cost(gs)
         if not st.fits(cost):
+            misses += 1
+            if misses == _FILL_MISSES:
+                break
             continue
+        misses = 0
         for h in gs:
             decision[h] = mark
         st.tokens_used += cost[0]
