@@ -395,12 +395,23 @@ async def _measure_session(
     await state.sessions.put_record(
         tenant, session,
         SessionRecord(
-            kept=kept, n_messages=n, last=fingerprint(msgs[-1]), cut=cut, msg_tokens=msg_tokens,
+            kept=_stable(kept, d), n_messages=n, last=fingerprint(msgs[-1]), cut=cut,
+            msg_tokens=msg_tokens,
             before_last=fingerprint(msgs[-2]) if n > 1 else b"",
             msg_tokens_before_last=msg_tokens - d.message_tokens(n - 1),
         ),
     )
     return fields
+
+
+def _stable(forwarded: tuple[int, ...], d: Decision) -> tuple[int, ...]:
+    """The forwarded items the next request is compared with: all but the recalled
+    history, which the next question recalls anew (the prefix a provider's cache can
+    reuse ends where it starts)."""
+    if d.plan is None or not d.plan.recalled:
+        return forwarded
+    recalled = set(d.plan.recalled)
+    return tuple(i for i in forwarded if i not in recalled)
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
