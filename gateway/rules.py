@@ -46,7 +46,7 @@ class Eviction:
     on_over_budget: Literal["forward", "reject"] = "forward"
     low_water: float = 0.6
     move_cache_marker: bool = False
-    recall_share: float = 0.5  # of the budget, filled with the dropped history the request is about
+    recall_share: float = 0.1  # of the budget, filled with the dropped history the request is about
 
 
 @dataclass(frozen=True, slots=True)
