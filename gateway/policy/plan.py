@@ -544,9 +544,10 @@ _FILL_MISSES = 32
 
 def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     """Bring back dropped groups, most relevant to the current user message first (then
-    the other dropped turns' opening messages), while they fit the whole budget; each comes with the user message that opens its turn (a
-    group whose opening message the stable part kept stays dropped: forwarded after
-    that part it would sit in a turn not its own)."""
+    the other dropped turns' opening messages), while they fit the whole budget; each
+    comes with the user message that opens its turn (a group whose opening message the
+    stable part kept stays dropped: forwarded after that part it would sit in a turn
+    not its own)."""
     conv, decision = st.conv, st.decision
     groups = conv.groups
     end = st.first_current
