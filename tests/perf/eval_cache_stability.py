@@ -64,10 +64,12 @@ def requests_of(msgs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 
 def replay(sessions: list[list[dict[str, Any]]], budget: int, low_water: float,
-           tools: list[Any] | None = None, share: float = 0.0) -> dict[str, float]:
+           tools: list[Any] | None = None, share: float | None = 0.0) -> dict[str, float]:
+    """`share`: the fill's recall_share (None: the shipped one)."""
+    fill = {} if share is None else {"recall_share": share}
     rules = build_rules({"memory": {"enable_eviction": True, "budget": {
         "max_tokens": budget, "max_chars": None, "max_messages": None, "max_turns": None},
-        "eviction": {"low_water": low_water, "recall_share": share}},
+        "eviction": {"low_water": low_water, **fill}},
         "tokens": {"models_file": "rules/models.yaml"}}, base_dir=ROOT)
     changed = follow = over = fallback = 0
     reused: list[float] = []
@@ -115,9 +117,11 @@ def table(title: str, sessions: list[list[dict[str, Any]]], budgets: list[int],
           " tokens forwarded | over budget | fill fallback |")
     print("|---|---|---|---|---|---|---|---|---|")
     for budget in budgets:
-        for name, lw, share in (("sliding (low_water 1.0)", 1.0, 0.0),
-                                ("stepped (low_water 0.6)", 0.6, 0.0),
-                                ("stepped + fill (recall_share 0.5)", 0.6, 0.5)):
+        rows: tuple[tuple[str, float, float | None], ...] = (
+            ("sliding (low_water 1.0)", 1.0, 0.0),
+            ("stepped (low_water 0.6)", 0.6, 0.0),
+            ("stepped + fill (shipped recall_share)", 0.6, None))
+        for name, lw, share in rows:
             r = replay(sessions, budget, lw, tools, share)
             one_in = f"{1 / r['changed']:.1f}" if r["changed"] else "-"
             print(f"| {budget} | {name} | {r['requests']} | {r['changed']:.1%} | {one_in} |"
