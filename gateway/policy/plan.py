@@ -562,10 +562,16 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
         return d is not None and d[0] == DROP
 
     max_turns = st.rules.limits.max_turns
-    turns = len({groups[g].turn for g, d in enumerate(decision)
-                 if d is not None and d[0] == KEEP and groups[g].turn})
+    kept_turns: set[int] = set()
+    eligible: set[int] = set()  # dropped groups of complete turns
+    for g, d in enumerate(decision):
+        if d is not None and groups[g].turn:
+            if d[0] == KEEP:
+                kept_turns.add(groups[g].turn)
+            elif g < end:
+                eligible.add(g)
+    turns = len(kept_turns)
     mark = _mark(KEEP, "recalled")
-    eligible = {g for g in range(end) if dropped(g) and groups[g].turn > 0}
     ranked = fill.rank(idx, query, eligible)
     # then what was asked in the other dropped turns, newest first: a turn's opening
     # message is short and says what the turn was for (BFCL, 4k: +0.5 points of the
