@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -23,6 +23,7 @@ from .errors import BadRequest, OverBudget
 from .history import HistoryCache, View
 from .policy import Limits, Plan, PlanRules, plan
 from .policy.compact import MARK, archive_id, compact_text, eligible, with_text
+from .policy.fill import forward_order
 from .rules import Rules
 from .splice import Splice
 from .tokens import TokenCounter, Tokenizers
@@ -101,6 +102,15 @@ class Decision:
             self._overhead = (self._scaled(self.wire.overhead_tokens(self.payload, self.counter))
                               if isinstance(self.payload, dict) else 0)
         return self._overhead
+
+    def forwarded(self) -> list[int]:
+        """The kept items in the order they are forwarded (recalled history moved after
+        the stable part, before the current turn)."""
+        assert self.plan is not None
+        current = current_turn_start(self.conv)
+        if current is None:  # nothing asked, nothing moved (see _plan_into)
+            return list(self.plan.kept)
+        return forward_order(self.plan.kept, self.plan.recalled, current)
 
     def kept_tokens(self) -> int:
         """Estimated tokens of the request with only the plan's kept messages."""
@@ -205,6 +215,7 @@ def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
         drop_unit=m.eviction.drop_unit,
         min_score=m.markers.min_score,
         low_water=m.eviction.low_water,
+        recall_share=m.eviction.recall_share,
     )
     rules.remember(("plan_rules", max_tokens), hit)
     return hit
@@ -294,14 +305,16 @@ def _plan_into(
         prules = plan_rules(rules, d.budget_tokens)
         overhead = d.overhead_tokens() if d.budget_tokens is not None else 0
         counted_by = (d.counter, d.token_factor)  # not the session `key`
+        text_of = _text_of(wire, items)
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
-                      tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by)
+                      tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by,
+                      text_of=text_of)
         # over budget with nothing to drop: an agent loop's one long current turn
         if ((d.plan.dropped or d.plan.over_budget)
                 and "compact_tools" in rules.memory.eviction.order
                 and _compact(d, rules, archive_in)):
             d.plan = plan(d.conv, prules, d.planned_tokens, overhead_tokens=overhead,
-                          tokens_key=counted_by)
+                          tokens_key=counted_by, text_of=text_of)
         if d.mode == "on" and (d.plan.dropped or recalled) and _carry_note(
                 d, rules, items, recalled):
             # the note is counted into the budget: plan again unless it fits the slack
@@ -310,7 +323,7 @@ def _plan_into(
             narrower = _minus_note(prules, d)
             if not _fits(d.plan, narrower.limits):
                 d.plan = plan(d.conv, narrower, d.planned_tokens, overhead_tokens=overhead,
-                              tokens_key=counted_by)
+                              tokens_key=counted_by, text_of=text_of)
         if (
             d.mode == "on"
             and d.plan.over_budget
@@ -332,10 +345,16 @@ def _plan_into(
         if d.cache_marker_dropped and rules.memory.eviction.move_cache_marker:
             marker_at = _end_of_stable_prefix(d.conv, d.plan)
             d.cache_marker_moved = marker_at is not None
-        _forward(d, wire.build_body(raw, payload, list(d.plan.kept), marker_at, d.note,
-                                    current_turn_start(d.conv) if d.note else None,
+        before = current_turn_start(d.conv)
+        # recalled history goes after the stable part, before the current turn (with no
+        # current turn nothing is asked, so nothing is recalled: kept where it was)
+        moved = d.plan.recalled if before is not None else ()
+        back = frozenset(moved)
+        stable = [i for i in d.plan.kept if i not in back]
+        _forward(d, wire.build_body(raw, payload, stable, marker_at, d.note, before,
                                     d.conv.has_metadata,
-                                    {i: d.compacted[i] for i in d.plan.kept if i in d.compacted}))
+                                    {i: d.compacted[i] for i in d.plan.kept if i in d.compacted},
+                                    moved))
     elif d.conv.has_metadata:
         # gateway metadata is ours: upstreams never see it, whatever the mode
         _forward(d, wire.build_body(raw, payload, list(range(len(items)))))
@@ -491,6 +510,11 @@ def _minus_note(prules: PlanRules, d: Decision) -> PlanRules:
     ))
 
 
+def _text_of(wire: Wire, items: list[Any]) -> Callable[[int], str]:
+    """Message i's text, what the fill ranks dropped history by."""
+    return lambda i: wire.item_text(items[i])
+
+
 def _holds(ascending: Sequence[int], i: int) -> bool:
     k = bisect.bisect_left(ascending, i)
     return k < len(ascending) and ascending[k] == i
@@ -520,7 +544,8 @@ def _end_of_stable_prefix(conv: Conversation, p: Plan) -> int | None:
     """The last kept item before the current turn: the end of what stays identical."""
     start = current_turn_start(conv)
     start = conv.n_messages if start is None else start
-    before = [i for i in p.kept if i < start]
+    recalled = set(p.recalled)
+    before = [i for i in p.kept if i < start and i not in recalled]
     return before[-1] if before else None
 
 

@@ -176,6 +176,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
         f"pinned {p.pinned}, evict={p.evict}"
         + (", over_budget=true" if p.over_budget else "")
         + (f", pinned_overflow={p.pinned_overflow}" if p.pinned_overflow else "")
+        + (f", recalled={len(p.recalled)}" if p.recalled else "")
     )
     if d.note is not None and d.snapshot is not None:
         print(f"carry-over note ({d.snapshot.count} fields) inserted before the current turn:")

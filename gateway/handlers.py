@@ -162,6 +162,8 @@ def mem_fields(
         f.update(evict="none", kept=len(msgs), dropped=0, pinned=0)
     elif d.mode == "on":
         f.update(evict=p.evict, kept=len(p.kept), dropped=len(p.dropped), pinned=p.pinned)
+        if p.recalled:  # dropped history the fill brought back (counted in kept)
+            f.update(recalled=len(p.recalled), recalled_tokens=p.recalled_tokens)
     else:
         f.update(evict="none", kept=len(msgs), dropped=0, pinned=p.pinned,
                  would_drop=len(p.dropped))
@@ -397,7 +399,7 @@ async def _measure(
     if d is None:
         return head, tail
     if d.recalled:
-        tail["recalled"] = len(d.recalled)
+        tail["recalled_records"] = len(d.recalled)
     if recall_failed:
         tail["recall"] = "failed"
     # a caller without a tenant gets no memory: nothing archived, no snapshot kept
@@ -504,7 +506,7 @@ async def _measure_session(
         msg_tokens = known_tokens + sum(d.message_tokens(i) for i in range(known, len(msgs)))
     fields = mem_fields(d, debug, est_tokens=d.overhead_tokens() + msg_tokens)
     on = d.plan is not None and d.mode == "on"
-    kept = d.plan.kept if on and d.plan is not None else tuple(range(len(msgs)))
+    kept = tuple(d.forwarded()) if on and d.plan is not None else tuple(range(len(msgs)))
     cut = on and d.plan is not None and bool(d.plan.dropped)
     if on and state_ok:
         status, same = compare_cut(prev, grown, kept, cut)
@@ -518,7 +520,7 @@ async def _measure_session(
         await state.sessions.put_record(
             tenant, session,
             SessionRecord(
-                kept=kept, n_messages=n, last=fingerprint(msgs[-1]), cut=cut,
+                kept=_stable(kept, d), n_messages=n, last=fingerprint(msgs[-1]), cut=cut,
                 msg_tokens=msg_tokens, before_last=fingerprint(msgs[-2]) if n > 1 else b"",
                 msg_tokens_before_last=msg_tokens - d.message_tokens(n - 1),
             ),
@@ -528,6 +530,16 @@ async def _measure_session(
     if not state_ok:
         fields["state"] = "unavailable"
     return fields
+
+
+def _stable(forwarded: tuple[int, ...], d: Decision) -> tuple[int, ...]:
+    """The forwarded items the next request is compared with: all but the recalled
+    history, which the next question recalls anew (the prefix a provider's cache can
+    reuse ends where it starts)."""
+    if d.plan is None or not d.plan.recalled:
+        return forwarded
+    recalled = set(d.plan.recalled)
+    return tuple(i for i in forwarded if i not in recalled)
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:

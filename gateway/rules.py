@@ -52,6 +52,7 @@ class Eviction:
     low_water: float = 0.6
     move_cache_marker: bool = False
     compact: CompactRules = field(default_factory=CompactRules)
+    recall_share: float = 0.1  # of the budget, filled with the dropped history the request is about
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +247,7 @@ SECTIONS: dict[str, frozenset[str]] = {
                                 "safety_ratio", "reserve_output_tokens"}),
     "memory.eviction": frozenset({"order", "keep_pinned", "max_pinned", "drop_unit",
                                   "on_over_budget", "low_water", "move_cache_marker",
-                                  "compact"}),
+                                  "compact", "recall_share"}),
     "memory.eviction.compact": frozenset({"min_chars", "keep_recent", "exclude_tools",
                                           "target_chars"}),
     "memory.markers": frozenset({"system_prefix", "min_score", "on_bad_metadata"}),
@@ -502,6 +503,8 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | 
             e, "memory.eviction", "move_cache_marker", _bool, de.move_cache_marker
         ),
         compact=compact,
+        recall_share=r.get(e, "memory.eviction", "recall_share", _float(0.0, 0.9),
+                           de.recall_share),
     )
     k = r.section(m.get("markers"), "memory.markers")
     dk = Markers()

@@ -98,6 +98,7 @@ def memory_rules(draw: st.DrawFn) -> dict[str, Any]:
             "max_pinned": draw(st.integers(0, 6)),
             "drop_unit": draw(st.sampled_from(["turn", "group"])),
             "low_water": draw(st.sampled_from([0.3, 0.6, 1.0])),
+            "recall_share": draw(st.sampled_from([0.0, 0.5, 0.9])),
         },
     }
 

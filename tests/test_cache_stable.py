@@ -7,7 +7,9 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
+from gateway.app import STATE
 from gateway.chat import decide
 from gateway.tokens import Tokenizers
 
@@ -32,12 +34,15 @@ async def send(url: str, body: dict[str, Any], session: str = "s-grow") -> None:
         await r.read()
 
 
+@pytest.mark.parametrize("share", [0.0, 0.5])
 async def test_cut_kept_and_moved_follow_the_forwarded_prefix(
-    gateway: GatewayFactory, upstream: Upstream
+    gateway: GatewayFactory, upstream: Upstream, share: float
 ) -> None:
-    """Along a growing session, cut=kept exactly when the previous forwarded messages are a
-    prefix of this one's, and prefix_tokens is then the tokens of all of them."""
-    gw = await gateway(memory={"enable_eviction": True, "budget": BUDGET})
+    """Along a growing session, cut=kept exactly when the previous forwarded messages (but
+    the history the fill recalled for its question) are a prefix of this one's, and
+    prefix_tokens is then the tokens of all of them."""
+    gw = await gateway(memory={"enable_eviction": True, "budget": BUDGET,
+                               "eviction": {"recall_share": share}})
     reqs = growing_requests()
     for body in reqs:
         await send(gw.url, body)
@@ -45,8 +50,18 @@ async def test_cut_kept_and_moved_follow_the_forwarded_prefix(
     bodies = [orjson.loads(r["raw"])["messages"] for r in upstream.received]
     assert len(events) == len(bodies) == len(reqs)
     statuses = [e["cut"] for e in events]
-    assert statuses.count("kept") > statuses.count("moved") > 0
-    for prev, cur, ev in zip(bodies, bodies[1:], events[1:], strict=False):
+    # the stable part has the budget's (1 - share): its steps are that much shorter
+    assert statuses.count("kept") > (1 - share) * statuses.count("moved") > 0
+    rules, tok = gw.app[STATE].rules, Tokenizers(10_000)
+    stable = []  # what was forwarded but the recalled history, as the gateway decided it
+    for body in reqs:
+        d = decide(orjson.dumps(body), body, rules, tok)
+        assert d.plan is not None
+        assert [body["messages"][i] for i in d.forwarded()] == bodies[len(stable)]
+        back = set(d.plan.recalled)
+        stable.append([body["messages"][i] for i in d.forwarded() if i not in back])
+    assert (stable != bodies) == (share > 0)
+    for prev, cur, ev in zip(stable, bodies[1:], events[1:], strict=False):
         if ev["cut"] == "kept":
             assert cur[: len(prev)] == prev
             assert int(ev["prefix_tokens"]) > 0

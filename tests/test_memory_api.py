@@ -113,7 +113,9 @@ async def test_archive_evicted_turns_once_and_recall_them(
     recall brings the turn that answers the latest question back in the note."""
     db = tmp_path / "m.db"
     budget = {"max_tokens": 1200, "max_chars": None, "max_messages": None, "max_turns": None}
-    gw = await gateway(memory={"enable_eviction": True, "budget": budget},
+    # the fill off: it would bring the turn itself back, leaving the store nothing to recall
+    gw = await gateway(memory={"enable_eviction": True, "budget": budget,
+                               "eviction": {"recall_share": 0.0}},
                        store={"path": str(db), "archive": "evicted",
                               "recall": {"enabled": True, "top_k": 2}})
     body = {"model": "gpt-4o-mini", "messages": conversation()}
@@ -122,7 +124,7 @@ async def test_archive_evicted_turns_once_and_recall_them(
                                {**AUTH, "X-Session-Id": "s-arch"})
         assert status == 200
     ev = gw.mem_events()
-    assert int(ev[0]["archived"]) > 0 and int(ev[0]["recalled"]) >= 1
+    assert int(ev[0]["archived"]) > 0 and int(ev[0]["recalled_records"]) >= 1
     assert int(ev[1]["archived"]) == 0  # resent: the session's turns are archived already
     sent = orjson.loads(upstream.received[-1]["raw"])["messages"]
     note = next(m["content"] for m in sent if m["content"].startswith("[memgate memory]"))
@@ -197,7 +199,7 @@ def test_evict_offline_includes_recall(tmp_path: Path) -> None:
     cfg = tmp_path / "g.yaml"
     cfg.write_text(
         "memory:\n  enable_eviction: true\n  budget: {max_tokens: 1200, max_chars: null, "
-        "max_messages: null, max_turns: null}\n"
+        "max_messages: null, max_turns: null}\n  eviction: {recall_share: 0}\n"
         f"store:\n  path: {tmp_path / 'm.db'}\n  recall: {{enabled: true, top_k: 2}}\n"
         f"tokens:\n  models_file: {root / 'rules' / 'models.yaml'}\n")
     payload = tmp_path / "p.json"

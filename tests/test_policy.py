@@ -23,7 +23,8 @@ TOK = Tokenizers(10_000)
 def rules(**memory: Any) -> Rules:
     base: dict[str, Any] = {"enable_eviction": True,
                             "budget": {"max_tokens": None, "max_chars": None,
-                                       "max_messages": None, "max_turns": None}}
+                                       "max_messages": None, "max_turns": None},
+                            "eviction": {"recall_share": 0.0}}  # the stages alone (test_fill)
     for k, v in memory.items():
         if isinstance(v, dict):
             base.setdefault(k, {}).update(v)
@@ -177,7 +178,8 @@ def test_jq_character_definition() -> None:
 
 def golden(name: str, low_water: float = 0.6) -> Any:
     r = load_rules(ROOT / "rules" / "gateway.yaml", {"MEMGATE_ENABLE_EVICTION": "1"})
-    memory = replace(r.memory, eviction=replace(r.memory.eviction, low_water=low_water),
+    memory = replace(r.memory, eviction=replace(r.memory.eviction, low_water=low_water,
+                                                recall_share=0.0),
                      carry=replace(r.memory.carry, enabled=False))  # the planner alone
     raw = (ROOT / "samples" / f"{name}.json").read_bytes()
     return decide(raw, orjson.loads(raw), replace(r, memory=memory), TOK)
@@ -200,7 +202,8 @@ def replay_growing(name: str, low_water: float) -> tuple[list[int], int]:
     """Replay a sample turn by turn: kept sizes and how often the forwarded prefix changed."""
     r = load_rules(ROOT / "rules" / "gateway.yaml", {"MEMGATE_ENABLE_EVICTION": "1"})
     r = replace(r, memory=replace(r.memory, eviction=replace(r.memory.eviction,
-                                                             low_water=low_water),
+                                                             low_water=low_water,
+                                                             recall_share=0.0),
                                   carry=replace(r.memory.carry, enabled=False)))
     body = orjson.loads((ROOT / "samples" / f"{name}.json").read_bytes())
     sizes, changed, prev = [], 0, ()

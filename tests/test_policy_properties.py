@@ -53,7 +53,8 @@ def current_turn_start(msgs: list[dict[str, Any]]) -> int:
 @given(msgs=conversation(), memory=memory_rules())
 @SETTINGS
 def test_structure_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]) -> None:
-    """Ordered subsequence; system and current turn kept; tool pairs whole; starts with user."""
+    """Ordered subsequence (recalled history moved before the current turn); system and
+    current turn kept; tool pairs whole; starts with user."""
     rules = make_rules(memory)
     d = run(msgs, rules)
     assert d.plan is not None
@@ -68,9 +69,17 @@ def test_structure_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]
             assert i in kept
     assert set(range(current_turn_start(msgs), len(msgs))) <= set(kept)
 
+    # recalled history: kept, forwarded after the stable part and before the current turn
+    cur = current_turn_start(msgs)
+    recalled = list(p.recalled)
+    assert recalled == sorted(set(recalled)) and set(recalled) <= set(kept)
+    assert all(i < cur and msgs[i]["role"] not in ("system", "developer") for i in recalled)
+    order = d.forwarded()
+    assert order == ([i for i in kept if i < cur and i not in recalled] + recalled
+                     + [i for i in kept if i >= cur])
     out = orjson.loads(d.forward)["messages"]
     # kept messages are unchanged except for the stripped gateway metadata
-    assert out == [{k: v for k, v in msgs[i].items() if k != "memgate"} for i in kept]
+    assert out == [{k: v for k, v in msgs[i].items() if k != "memgate"} for i in order]
     calls: dict[str, int] = {}
     for j, m in enumerate(out):
         for c in m.get("tool_calls") or []:
@@ -154,7 +163,7 @@ def as_held(msgs: list[dict[str, Any]], d: Decision) -> list[dict[str, Any]]:
         for i, pin in g.pins:
             held[i] = is_active(pin, g.turn, d.conv.n_turns, 0.7)
     out = []
-    for i in d.plan.kept:
+    for i in d.forwarded():
         m = dict(msgs[i])
         if i in held:
             score = m.get("memgate", {}).get("score")
@@ -240,11 +249,12 @@ def test_cut_stays_while_it_fits(
     previous forwarded messages plus the new ones still fit the budget (unless the previous
     cut was the plain-fill fallback, taken when system + current turn exceed the low-water
     share); every request respects the budget; a lost state (restart) recomputes the very
-    same cut."""
+    same cut. (The fill is off here: with it on, the stable part is this same cut under the
+    budget's stable share, test_fill_leaves_the_stable_part_to_eviction.)"""
     rules = make_rules({"enable_eviction": True,
                         "budget": {"max_tokens": None, "max_chars": max_chars,
                                    "max_messages": max_messages, "max_turns": None},
-                        "eviction": {"low_water": low_water}})
+                        "eviction": {"low_water": low_water, "recall_share": 0.0}})
     ends = [i for i, m in enumerate(msgs) if m["role"] == "user"]
     prev: tuple[int, ...] | None = None
     prev_n = 0
@@ -264,3 +274,28 @@ def test_cut_stays_while_it_fits(
                 assert p.kept == grown, "the cut moved although the grown history fits"
         assert run(history, rules).plan == p  # stateless: a restart plans the same
         prev, prev_n, prev_fallback = p.kept, len(history), p.fill_fallback
+
+
+@given(msgs=conversation(), memory=memory_rules())
+@SETTINGS
+def test_fill_leaves_the_stable_part_to_eviction(
+    msgs: list[dict[str, Any]], memory: dict[str, Any]
+) -> None:
+    """With the fill on, what is kept besides the recalled history is exactly what eviction
+    alone keeps under the stable share of the budget (or, when nothing has to go, under
+    the whole budget): the fill never moves the cut, so the cached prefix stays."""
+    memory["eviction"]["recall_share"] = 0.5
+    d = run(msgs, make_rules(memory))
+    assert d.plan is not None
+    memory["eviction"]["recall_share"] = 0.0
+    alone = run(msgs, make_rules(memory)).plan
+    assert alone is not None
+    if alone.dropped:
+        memory["budget"] = {k: (v if v is None or k == "max_turns" else max(1, int(v * 0.5)))
+                            for k, v in memory["budget"].items()}
+        alone = run(msgs, make_rules(memory)).plan
+        assert alone is not None
+    recalled = set(d.plan.recalled)
+    assert tuple(i for i in d.plan.kept if i not in recalled) == alone.kept
+    assert all(d.plan.kept_by[k] == "recalled" for k, i in enumerate(d.plan.kept)
+               if i in recalled)

@@ -96,7 +96,7 @@ async def test_a_session_continues_across_replicas(shared: Any, upstream: Upstre
     sent = orjson.loads(upstream.received[-1]["raw"])["messages"]
     assert "KESTREL" not in " ".join(str(m["content"]) for m in trimmed)
     assert any("KESTREL" in str(m["content"]) for m in sent)
-    assert int((await b.wait_mem(2))[-1]["recalled"]) >= 1
+    assert int((await b.wait_mem(2))[-1]["recalled_records"]) >= 1
 
 
 async def test_accounting_survives_a_client_that_closes_at_once(shared: Any) -> None:

@@ -33,7 +33,7 @@ def strip(m: dict[str, Any]) -> dict[str, Any]:
 @given(msgs=conversation(), memory=memory_rules())
 @settings()
 def test_anthropic_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]) -> None:
-    """Anthropic: subsequence, system untouched, current turn kept, tool_use <-> tool_result
+    """Anthropic: subsequence (recalled history before the current turn), system untouched, current turn kept, tool_use <-> tool_result
     pairs whole, first message from the user, idempotent."""
     body = to_anthropic(msgs)
     raw = orjson.dumps(body)
@@ -42,7 +42,7 @@ def test_anthropic_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]
     out = orjson.loads(d.forward)
     assert out["system"] == body["system"]
     src = body["messages"]
-    assert out["messages"] == [strip(src[i]) for i in d.plan.kept]
+    assert out["messages"] == [strip(src[i]) for i in d.forwarded()]
     assert_dropped_listing(d.plan)
     assert set(d.plan.kept) | {i for i, _ in d.plan.dropped} == set(range(len(src)))
     assert d.cache_marker_dropped == any(  # from the parse's list of marked messages
@@ -77,7 +77,7 @@ def test_responses_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]
     assert d.plan is not None, d.skip_reason
     src = body["input"]
     out = orjson.loads(d.forward)["input"]
-    assert out == [strip(src[i]) for i in d.plan.kept]
+    assert out == [strip(src[i]) for i in d.forwarded()]
     assert_dropped_listing(d.plan)
     assert set(d.plan.kept) | {i for i, _ in d.plan.dropped} == set(range(len(src)))
     last_user = max(i for i, it in enumerate(src) if it.get("role") == "user")

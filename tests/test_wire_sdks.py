@@ -81,8 +81,11 @@ async def test_anthropic_cache_marker_moved_when_configured(
     msgs = orjson.loads(upstream.received[-1]["raw"])["messages"]
     marked = [i for i, m in enumerate(msgs) if isinstance(m["content"], list)
               and any("cache_control" in b for b in m["content"])]
-    assert marked == [len(msgs) - 2]  # the last message before the current turn
-    assert gw.mem_events()[-1]["cache_marker"] == "moved"
+    ev = gw.mem_events()[-1]
+    # the last message before the current turn and the history recalled for its question
+    recalled = int(ev.get("recalled", 0))
+    assert marked == [len(msgs) - 2 - recalled]
+    assert ev["cache_marker"] == "moved"
 
 
 async def test_anthropic_sdk_stream(gateway: GatewayFactory, upstream: Upstream) -> None:

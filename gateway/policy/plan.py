@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..conversation import Conversation, Group, is_active
+from . import fill
 
 KEEP = "keep"
 DROP = "drop"
@@ -38,6 +39,9 @@ class PlanRules:
     drop_unit: str = "turn"
     min_score: float = 0.7
     low_water: float = 1.0  # 1.0 = cut just under the budget (a sliding window)
+    # when history is dropped: the share of the budget held back from the stable part
+    # and filled with the dropped groups the current request is about (0 = off)
+    recall_share: float = 0.0
 
 
 class Dropped(Sequence[tuple[int, str]]):
@@ -103,6 +107,10 @@ class Plan:
     # more than the low-water share): the cut fell back to a newest-first fill
     fill_fallback: bool = False
     evict: str = "none"  # the stage that dropped most messages, or 'none'
+    # dropped history brought back for the current request (in kept too): forwarded
+    # after the stable part, before the current turn (fill.forward_order)
+    recalled: tuple[int, ...] = ()
+    recalled_tokens: int = 0
 
 
 def _dominant_stage(counts: dict[str, int]) -> str:
@@ -475,46 +483,39 @@ STAGES: dict[str, Stage] = {
 }
 
 
-def plan(
-    conv: Conversation,
-    rules: PlanRules,
-    tokens_of: Callable[[int], int],
-    overhead_tokens: int = 0,
-    tokens_upper_bound: int | None = None,
-    tokens_key: Any = None,
-) -> Plan:
-    """Decide which messages to keep.
+def _caps(lim: Limits) -> tuple[int, int, int]:
+    return (
+        _NO_LIMIT if lim.max_tokens is None else lim.max_tokens,
+        _NO_LIMIT if lim.max_chars is None else lim.max_chars,
+        _NO_LIMIT if lim.max_messages is None else lim.max_messages,
+    )
 
-    `tokens_of(i)` gives message i's tokens; `overhead_tokens` is what the request
-    pays besides messages (priming, tool schemas). `tokens_upper_bound`, when
-    given, is a cheap bound on the total (e.g. the body size in bytes): if it and
-    the other measures already fit, nothing is tokenized and nothing dropped.
-    `tokens_key`, when given, names what `tokens_of` counts with (same key, same counts
-    for the same messages): group sums are then kept on the groups for the next plan.
-    """
-    lim = rules.limits
+
+def _share(lim: Limits, share: float) -> Limits:
+    def part(n: int | None) -> int | None:
+        return None if n is None else max(1, int(n * share))
+
+    return Limits(part(lim.max_tokens), part(lim.max_chars), part(lim.max_messages),
+                  lim.max_turns)
+
+
+def _run_stages(
+    conv: Conversation, rules: PlanRules, lim: Limits, tokens_of: Callable[[int], int],
+    overhead_tokens: int, tokens_key: Any, group_tokens: list[int] | None = None,
+) -> _State:
+    """The configured stages under `lim`; `group_tokens`: counts an earlier run made."""
     groups = conv.groups
-    if _fits_without_planning(conv, lim, tokens_upper_bound):
-        return Plan(
-            kept=tuple(range(conv.n_messages)),
-            dropped=Dropped(),
-            kept_by=("fits",) * conv.n_messages,
-            pinned=_count_pins(conv, conv.pinned_groups, rules),
-            pinned_overflow=0,
-            over_budget=False,
-            kept_tokens=None,
-            kept_chars=conv.total_text_chars + conv.outside_chars,
-        )
+    max_tokens, max_chars, max_messages = _caps(lim)
     st = _State(
         conv=conv,
         rules=rules,
         tokens_of=tokens_of,
-        count_tokens=lim.max_tokens is not None,
+        count_tokens=rules.limits.max_tokens is not None,
         decision=[None] * len(groups),
-        group_tokens=[-1] * len(groups),
-        max_tokens=_NO_LIMIT if lim.max_tokens is None else lim.max_tokens,
-        max_chars=_NO_LIMIT if lim.max_chars is None else lim.max_chars,
-        max_messages=_NO_LIMIT if lim.max_messages is None else lim.max_messages,
+        group_tokens=[-1] * len(groups) if group_tokens is None else group_tokens,
+        max_tokens=max_tokens,
+        max_chars=max_chars,
+        max_messages=max_messages,
         tokens_key=tokens_key,
     )
     # system/developer and the current turn are not subject to eviction
@@ -533,6 +534,122 @@ def plan(
     st.keep(current, "current")
     for name in rules.order:
         STAGES[name](st)
+    return st
+
+
+# the fill stops after this many candidates in a row that did not fit: the budget is
+# as good as full, and every candidate tried is one more message to count
+_FILL_MISSES = 32
+
+
+def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
+    """Bring back dropped groups, most relevant to the current user message first (then
+    the other dropped turns' opening messages), while they fit the whole budget; each
+    comes with the user message that opens its turn (a group whose opening message the
+    stable part kept stays dropped: forwarded after that part it would sit in a turn
+    not its own)."""
+    conv, decision = st.conv, st.decision
+    groups = conv.groups
+    end = st.first_current
+    query = "\n".join(fill.group_text(groups[g], text_of)
+                      for g in range(end, len(groups)) if groups[g].is_user)
+    if not query.strip():
+        return
+    idx = fill.index_history(conv, end, text_of)
+
+    def dropped(g: int) -> bool:
+        d = decision[g]
+        return d is not None and d[0] == DROP
+
+    max_turns = st.rules.limits.max_turns
+    kept_turns: set[int] = set()
+    eligible: set[int] = set()  # dropped groups of complete turns
+    for g, d in enumerate(decision):
+        if d is not None and groups[g].turn:
+            if d[0] == KEEP:
+                kept_turns.add(groups[g].turn)
+            elif g < end:
+                eligible.add(g)
+    turns = len(kept_turns)
+    mark = _mark(KEEP, "recalled")
+    ranked = fill.rank(idx, query, eligible)
+    # then what was asked in the other dropped turns, newest first: a turn's opening
+    # message is short and says what the turn was for (BFCL, 4k: +0.5 points of the
+    # earlier user requests; LoCoMo: the ranked groups fill the budget before)
+    misses = 0  # candidates in a row that did not fit
+    seen = set(ranked)
+    ranked += [g for g in sorted(eligible, reverse=True) if groups[g].is_user and g not in seen]
+    for g in ranked:
+        a = st.anchor(g)
+        if a is None or not dropped(g):
+            continue
+        if decision[a] is mark:  # its turn is back already
+            gs, new_turn = [g], False
+        elif dropped(a):
+            gs, new_turn = ([g] if a == g else [a, g]), True
+        else:
+            continue
+        if max_turns is not None and turns + new_turn > max_turns:
+            continue
+        cost = st.cost(gs)
+        if not st.fits(cost):
+            misses += 1
+            if misses == _FILL_MISSES:
+                break
+            continue
+        misses = 0
+        for h in gs:
+            decision[h] = mark
+        st.tokens_used += cost[0]
+        st.chars_used += cost[1]
+        st.messages_used += cost[2]
+        turns += new_turn
+        if st.dropped_prefix[0] > gs[0]:  # no longer one dropped run
+            st.dropped_prefix = (0, "")
+
+
+def plan(
+    conv: Conversation,
+    rules: PlanRules,
+    tokens_of: Callable[[int], int],
+    overhead_tokens: int = 0,
+    tokens_upper_bound: int | None = None,
+    tokens_key: Any = None,
+    text_of: Callable[[int], str] | None = None,
+) -> Plan:
+    """Decide which messages to keep.
+
+    `tokens_of(i)` gives message i's tokens; `overhead_tokens` is what the request
+    pays besides messages (priming, tool schemas). `tokens_upper_bound`, when
+    given, is a cheap bound on the total (e.g. the body size in bytes): if it and
+    the other measures already fit, nothing is tokenized and nothing dropped.
+    `tokens_key`, when given, names what `tokens_of` counts with (same key, same counts
+    for the same messages): group sums are then kept on the groups for the next plan.
+    `text_of(i)`, when given with a `recall_share`, gives message i's text: what the
+    fill ranks dropped history by (see fill_from_request).
+    """
+    lim = rules.limits
+    groups = conv.groups
+    if _fits_without_planning(conv, lim, tokens_upper_bound):
+        return Plan(
+            kept=tuple(range(conv.n_messages)),
+            dropped=Dropped(),
+            kept_by=("fits",) * conv.n_messages,
+            pinned=_count_pins(conv, conv.pinned_groups, rules),
+            pinned_overflow=0,
+            over_budget=False,
+            kept_tokens=None,
+            kept_chars=conv.total_text_chars + conv.outside_chars,
+        )
+    st = _run_stages(conv, rules, lim, tokens_of, overhead_tokens, tokens_key)
+    if text_of is not None and rules.recall_share > 0.0 and any(
+            d is not None and d[0] == DROP for d in st.decision):
+        # the stable part gets what the recall share leaves; the fill the rest
+        stable = _share(lim, 1.0 - rules.recall_share)
+        st = _run_stages(conv, rules, stable, tokens_of, overhead_tokens, tokens_key,
+                         st.group_tokens)
+        st.max_tokens, st.max_chars, st.max_messages = _caps(lim)
+        fill_from_request(st, text_of)
     kept_groups: list[int] = []
     runs: list[tuple[int, int, str]] = []  # dropped groups [first, end) by one stage
     run_start, run_mark = 0, None
@@ -551,11 +668,16 @@ def plan(
         runs.append((run_start, len(groups), run_mark[1]))
     why = dict.fromkeys(conv.fixed, "system")
     decision = st.decision
+    recalled: list[int] = []
+    recalled_tokens = 0
     for g in kept_groups:
         d = decision[g]
         label = d[1] if d is not None else "unbudgeted"
         for i in groups[g].indices:
             why[i] = label
+        if label == "recalled":
+            recalled.extend(groups[g].indices)
+            recalled_tokens += st.group_tokens[g]
     fixed = conv.fixed
     if fixed and kept_groups and fixed[-1] > groups[kept_groups[0]].indices[0]:
         kept: Sequence[int] = sorted(why)
@@ -590,6 +712,8 @@ def plan(
         kept_chars=kept_chars,
         fill_fallback=st.fill_fallback and bool(dropped),
         evict=_dominant_stage(drops),
+        recalled=tuple(recalled),
+        recalled_tokens=recalled_tokens if st.count_tokens else 0,
     )
 
 

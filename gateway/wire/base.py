@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -102,14 +103,16 @@ class Wire:
         self, raw: bytes, payload: dict[str, Any], kept: list[int],
         marker_at: int | None = None, note: str | None = None, note_before: int | None = None,
         metadata: bool = True, texts: dict[int, list[tuple[Any, str]]] | None = None,
+        moved: Sequence[int] = (),
     ) -> bytes | None:
-        """The client's body `raw` (parsed: `payload`) with only the `kept` items (in
-        order), the gateway metadata cut out of them (`metadata`: any item may hold
+        """The client's body `raw` (parsed: `payload`) with only the `kept` items
+        (ascending), the gateway metadata cut out of them (`metadata`: any item may hold
         some); `marker_at` (an index in kept) gets a cache breakpoint moved onto it;
-        `note` goes right before item `note_before` (the current turn), after the
-        stable prefix; `texts` gives kept items a new string at a path inside them (a
-        compacted tool result: only that value's bytes change). Made from the client's
-        bytes: every other byte is the client's.
+        `moved` (recalled history, in this order) and then `note` go right before item
+        `note_before` (the current turn), after the stable prefix; `texts` gives items a
+        new string at a path inside them (a compacted tool result: only that value's
+        bytes change). Made from the client's bytes: every other byte is the client's,
+        a moved item's included.
         None when the bytes cannot be read so (the caller forwards them unchanged)."""
         items = self.items(payload)
         if items is None:
@@ -120,12 +123,12 @@ class Wire:
             m = [m for m in top if m.name == key][-1]  # the one orjson read
             if m.items is not None:
                 return apply(raw, self._item_edits(raw, m.items, items, kept, marker_at,
-                                                   note, note_before, metadata, texts))
+                                                   note, note_before, metadata, texts, moved))
             listed = self.listed(raw[m.value : m.end])
             if listed is None:
                 return None
             edits = self._item_edits(listed, elements(listed, 0, items), items, kept,
-                                     marker_at, note, note_before, metadata, texts)
+                                     marker_at, note, note_before, metadata, texts, moved)
             return b"".join((raw[: m.value], apply(listed, edits), raw[m.end :]))
         except (IndexError, ValueError):  # orjson's decode error included
             return None
@@ -133,27 +136,42 @@ class Wire:
     def _item_edits(
         self, b: bytes, spans: list[Span], items: Any, kept: list[int],
         marker_at: int | None, note: str | None, note_before: int | None, metadata: bool,
-        texts: dict[int, list[tuple[Any, str]]] | None = None,
+        texts: dict[int, list[tuple[Any, str]]] | None = None, moved: Sequence[int] = (),
     ) -> list[Edit]:
         if len(spans) != len(items):
             raise ValueError("items differ from their bytes")
-        edits = cut(spans, kept)
-        if note is not None and note_before in kept:
-            start = spans[note_before][0]
-            edits.append((start, start, orjson.dumps(self.note_item(note)) + b","))
-        for i in kept if metadata else ():
+
+        def own(i: int) -> list[Edit]:
+            """The edits inside item i: its metadata cut out, new texts, a marker."""
+            out: list[Edit] = []
             item = items[i]
-            if isinstance(item, dict) and META_KEY in item:
+            if metadata and isinstance(item, dict) and META_KEY in item:
                 ms = members(b, spans[i][0])
-                edits += cut([(x.start, x.end) for x in ms],
-                             [k for k, x in enumerate(ms) if x.name != META_KEY])
-        for i, subs in (texts or {}).items():
-            for path, text in subs:
-                start, end = value_span(b, spans[i][0], items[i], path)
-                edits.append((start, end, orjson.dumps(text)))
-        if marker_at is not None:
-            edits += self.cache_marker_edits(b, spans[marker_at][0], items[marker_at])
+                out += cut([(x.start, x.end) for x in ms],
+                           [k for k, x in enumerate(ms) if x.name != META_KEY])
+            for path, text in (texts or {}).get(i, ()):
+                start, end = value_span(b, spans[i][0], item, path)
+                out.append((start, end, orjson.dumps(text)))
+            if i == marker_at:
+                out += self.cache_marker_edits(b, spans[i][0], item)
+            return out
+
+        edits = cut(spans, kept)  # the moved items go from where they were too
+        for i in kept:
+            edits += own(i)
+        front = b"".join(_moved(b, spans[i], own(i)) + b"," for i in moved)
+        if note is not None:
+            front += orjson.dumps(self.note_item(note)) + b","
+        if front and note_before in kept:
+            start = spans[note_before][0]
+            edits.append((start, start, front))
         return edits
+
+
+def _moved(b: bytes, span: Span, edits: list[Edit]) -> bytes:
+    """The bytes of the item at `span` with its own `edits` made (to go elsewhere)."""
+    start, end = span
+    return apply(b[start:end], [(x - start, y - start, new) for x, y, new in edits])
 
 
 def text_of(content: Any) -> str:

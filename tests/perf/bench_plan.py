@@ -3,12 +3,14 @@
 
     python tests/perf/bench_plan.py [--repeat 20]
 
-For histories of 10 / 100 / 300 / 1,000 / 10,000 messages (tool calls, pins,
-Chinese text), with a budget that evicts, it times `decide()` — parse, plan,
-build the forwarded body — on first sight (empty token cache) and on a warm
-session (the same history seen before, plus one new turn), and the full
-`est_tokens` count the [mem] line needs. Ratios matter more than absolute
-times on a shared machine.
+For histories of 10 / 100 / 300 / 1,000 / 2,000 / 10,000 messages (tool calls,
+pins, Chinese text), with a budget that evicts, it times `decide()` — parse,
+plan, build the forwarded body — on first sight (empty token cache) and on a warm
+session (the same history seen before, plus one new turn), the full `est_tokens`
+count the [mem] line needs, and a session through the history cache (as the
+server: the previous request parsed, counted and indexed, then the one grown by a
+turn). Each size with the budget-filling recall off and on (`--recall-share`).
+Ratios matter more than absolute times on a shared machine.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import orjson
 
 from gateway.chat import decide
+from gateway.history import HistoryCache
 from gateway.rules import build_rules
 from gateway.tokens import Tokenizers
 
@@ -66,41 +69,61 @@ def timed(fn: Any, repeat: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--recall-share", type=float, default=0.5, help="the fill's share when on")
+    ap.add_argument("--sizes", default="10,100,300,1000,2000,10000")
     args = ap.parse_args()
+    print(f"{'messages':>9} {'fill':>5} {'bytes':>10} {'cold ms':>9} {'warm ms':>9}"
+          f" {'warm+1 ms':>10} {'est_tokens cold ms':>19} {'est_tokens warm ms':>19}"
+          f" {'session+1 ms':>13}")
+    for n in [int(x) for x in args.sizes.split(",")]:
+        for share in (0.0, args.recall_share):
+            bench(n, share, args.repeat)
+
+
+def bench(n: int, share: float, repeat: int) -> None:
     rules = build_rules({"memory": {"enable_eviction": True, "budget": {
-        "max_tokens": 6000, "max_chars": None, "max_messages": None, "max_turns": None}},
+        "max_tokens": 6000, "max_chars": None, "max_messages": None, "max_turns": None},
+        "eviction": {"recall_share": share}},
         "tokens": {"models_file": "rules/models.yaml"}}, base_dir=ROOT)
-    print(f"{'messages':>9} {'bytes':>10} {'cold ms':>9} {'warm ms':>9} {'warm+1 ms':>10}"
-          f" {'est_tokens cold ms':>19} {'est_tokens warm ms':>19}")
-    for n in (10, 100, 300, 1000, 10000):
-        msgs = history(n)
-        raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
-        grown = orjson.dumps({"model": "gpt-4o-mini",
-                              "messages": [*msgs, {"role": "assistant", "content": "ok"},
-                                           {"role": "user", "content": "and then?"}]})
+    msgs = history(n)
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+    grown = orjson.dumps({"model": "gpt-4o-mini",
+                          "messages": [*msgs, {"role": "assistant", "content": "ok"},
+                                       {"role": "user", "content": "and then?"}]})
 
-        def cold() -> None:
-            decide(raw, orjson.loads(raw), rules, Tokenizers(200_000))
+    def cold() -> None:
+        decide(raw, orjson.loads(raw), rules, Tokenizers(200_000))
 
-        warm_tok = Tokenizers(200_000)
+    warm_tok = Tokenizers(200_000)
+    decide(raw, orjson.loads(raw), rules, warm_tok)
+
+    def warm() -> None:
         decide(raw, orjson.loads(raw), rules, warm_tok)
 
-        def warm() -> None:
-            decide(raw, orjson.loads(raw), rules, warm_tok)
+    def warm_grown() -> None:
+        decide(grown, orjson.loads(grown), rules, warm_tok)
 
-        def warm_grown() -> None:
-            decide(grown, orjson.loads(grown), rules, warm_tok)
+    def est_cold() -> None:
+        decide(raw, orjson.loads(raw), rules, Tokenizers(200_000)).est_tokens()
 
-        def est_cold() -> None:
-            decide(raw, orjson.loads(raw), rules, Tokenizers(200_000)).est_tokens()
+    def est_warm() -> None:
+        decide(raw, orjson.loads(raw), rules, warm_tok).est_tokens()
 
-        def est_warm() -> None:
-            decide(raw, orjson.loads(raw), rules, warm_tok).est_tokens()
+    cache = HistoryCache(1 << 30, 16)
 
-        rep = max(3, args.repeat if n <= 1000 else args.repeat // 4)
-        print(f"{n:>9} {len(raw):>10} {timed(cold, rep):>9.3f} {timed(warm, rep):>9.3f}"
-              f" {timed(warm_grown, rep):>10.3f} {timed(est_cold, rep):>19.3f}"
-              f" {timed(est_warm, rep):>19.3f}")
+    def session_grown() -> float:
+        """The grown request of a session whose previous one the cache holds."""
+        decide(raw, orjson.loads(raw), rules, warm_tok, history=cache, key=("t", "s"))
+        body = orjson.loads(grown)
+        t0 = time.perf_counter()
+        decide(grown, body, rules, warm_tok, history=cache, key=("t", "s"))
+        return time.perf_counter() - t0
+
+    rep = max(3, repeat if n <= 2000 else repeat // 4)
+    session = statistics.median(session_grown() for _ in range(rep)) * 1000
+    print(f"{n:>9} {share:>5} {len(raw):>10} {timed(cold, rep):>9.3f} {timed(warm, rep):>9.3f}"
+          f" {timed(warm_grown, rep):>10.3f} {timed(est_cold, rep):>19.3f}"
+          f" {timed(est_warm, rep):>19.3f} {session:>13.3f}", flush=True)
 
 
 if __name__ == "__main__":

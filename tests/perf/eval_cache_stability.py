@@ -7,8 +7,9 @@ Replays growing sessions (each request = the previous history + one turn)
 through the planner and reports, per budget and policy:
 
 - changed: share of requests (after a session's first) whose forwarded messages
-  do not start with the previous request's forwarded messages — a prompt-cache miss
-  from that point on;
+  do not start with the previous request's forwarded messages (but the history the
+  fill recalled for that request's question, forwarded after its stable prefix) — a
+  prompt-cache miss from that point on;
 - reused: mean share of forwarded tokens that are the previous request's prefix;
 - fwd tokens: mean tokens forwarded;
 - over: requests over the budget (must be 0 unless system + current turn alone exceed it).
@@ -63,16 +64,19 @@ def requests_of(msgs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 
 def replay(sessions: list[list[dict[str, Any]]], budget: int, low_water: float,
-           tools: list[Any] | None = None) -> dict[str, float]:
+           tools: list[Any] | None = None, share: float | None = 0.0) -> dict[str, float]:
+    """`share`: the fill's recall_share (None: the shipped one)."""
+    fill = {} if share is None else {"recall_share": share}
     rules = build_rules({"memory": {"enable_eviction": True, "budget": {
         "max_tokens": budget, "max_chars": None, "max_messages": None, "max_turns": None},
-        "eviction": {"low_water": low_water}},
+        "eviction": {"low_water": low_water, **fill}},
         "tokens": {"models_file": "rules/models.yaml"}}, base_dir=ROOT)
     changed = follow = over = fallback = 0
     reused: list[float] = []
     forwarded: list[int] = []
     for msgs in sessions:
         prev: tuple[int, ...] | None = None
+        stable = 0
         for history in requests_of(msgs):
             body: dict[str, Any] = {"model": "gpt-4o-mini", "messages": history}
             if tools:
@@ -80,7 +84,7 @@ def replay(sessions: list[list[dict[str, Any]]], budget: int, low_water: float,
             raw = orjson.dumps(body)
             d = decide(raw, orjson.loads(raw), rules, TOK)
             assert d.plan is not None
-            kept = d.plan.kept
+            kept = tuple(d.forwarded())
             tokens = [d.message_tokens(i) for i in kept]
             forwarded.append(sum(tokens) + d.overhead_tokens())
             if d.plan.over_budget:
@@ -91,10 +95,11 @@ def replay(sessions: list[list[dict[str, Any]]], budget: int, low_water: float,
                 same = 0
                 while same < min(len(prev), len(kept)) and prev[same] == kept[same]:
                     same += 1
-                if same < len(prev):
+                if same < stable:  # the recalled part is the question's, not the prefix
                     changed += 1
                 reused.append(sum(tokens[:same]) / max(1, sum(tokens)))
             prev = kept
+            stable = kept.index(d.plan.recalled[0]) if d.plan.recalled else len(kept)
     return {
         "requests": len(forwarded),
         "changed": changed / max(1, follow),
@@ -112,8 +117,12 @@ def table(title: str, sessions: list[list[dict[str, Any]]], budgets: list[int],
           " tokens forwarded | over budget | fill fallback |")
     print("|---|---|---|---|---|---|---|---|---|")
     for budget in budgets:
-        for name, lw in (("sliding (low_water 1.0)", 1.0), ("stepped (low_water 0.6)", 0.6)):
-            r = replay(sessions, budget, lw, tools)
+        rows: tuple[tuple[str, float, float | None], ...] = (
+            ("sliding (low_water 1.0)", 1.0, 0.0),
+            ("stepped (low_water 0.6)", 0.6, 0.0),
+            ("stepped + fill (shipped recall_share)", 0.6, None))
+        for name, lw, share in rows:
+            r = replay(sessions, budget, lw, tools, share)
             one_in = f"{1 / r['changed']:.1f}" if r["changed"] else "-"
             print(f"| {budget} | {name} | {r['requests']} | {r['changed']:.1%} | {one_in} |"
                   f" {r['reused']:.1%} | {r['fwd_tokens']:.0f} | {r['over']} | {r['fallback']} |")

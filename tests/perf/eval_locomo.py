@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
-"""Evidence retention on LoCoMo: recency-only vs memgate (eviction + recall of dropped turns).
+"""Evidence retention on LoCoMo: recency-only vs memgate (eviction, fill, store recall).
 
     python tests/perf/eval_locomo.py --data ../shared/data [--budgets 2000,4000,8000]
+        [--recall-share 0.5] [--low-water 0.6]
 
 Converts the LoCoMo dev conversations with the data set's own script (one request
 per QA item: full history + the question), runs every request through memgate's
-decision path (`decide` + recall over the turns the request drops: what the
-gateway forwards when `store.recall` is on and nothing was archived yet), writes
-what would be forwarded, and scores it with the data set's evaluator against the
-evaluator's recency-only baseline at the same budgets.
+decision path (`decide`, and for the store-recall row recall over the turns the
+request drops: what the gateway forwards when `store.recall` is on and nothing was
+archived yet), writes what would be forwarded, and scores it with the data set's
+evaluator against the evaluator's recency-only baseline at the same budgets. Only
+the token budget limits (max_chars, max_messages, max_turns off). Rows: eviction
+without the fill (today's), with store recall, and with the budget-filling recall
+(the shipped eviction defaults unless --recall-share / --low-water say otherwise).
 """
 
 from __future__ import annotations
@@ -34,14 +38,17 @@ from gateway.tokens import Tokenizers
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def forward_all(payloads: Path, budget: int, top_k: int, out: Path) -> None:
+def forward_all(payloads: Path, budget: int, top_k: int, out: Path,
+                eviction: dict[str, Any]) -> int:
+    """Write the forwarded bodies; the number of requests over the budget."""
     rules = build_rules({
         "memory": {"enable_eviction": True, "budget": {"max_tokens": budget, "max_chars": None,
                                                        "max_messages": None, "max_turns": None},
-                   "eviction": {"low_water": 1.0}},
+                   "eviction": eviction},
         "tokens": {"models_file": "rules/models.yaml"}}, base_dir=ROOT)
     store_rules = replace(StoreRules(), recall_enabled=True, recall_top_k=top_k)
     tok = Tokenizers(500_000)
+    over = 0
     with out.open("wb") as f:
         for line in payloads.read_bytes().splitlines():
             body = orjson.loads(line)
@@ -50,7 +57,10 @@ def forward_all(payloads: Path, budget: int, top_k: int, out: Path) -> None:
                 recalled = asyncio.run(recall(None, store_rules, "eval", "eval", d))
                 if recalled:
                     d = decide(line, body, rules, tok, recalled=recalled)
+            assert d.plan is not None
+            over += d.plan.over_budget or (d.plan.kept_tokens or 0) > budget
             f.write(d.forward + b"\n")
+    return over
 
 
 def main() -> None:
@@ -58,7 +68,22 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     ap.add_argument("--budgets", default="2000,4000,8000")
     ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--recall-share", type=float, default=None,
+                    help="the fill's share of the budget (default: the shipped one)")
+    ap.add_argument("--low-water", type=float, default=None,
+                    help="memory.eviction.low_water for the fill row (default: shipped)")
+    ap.add_argument("--only-fill", action="store_true", help="skip the rows without the fill")
     args = ap.parse_args()
+    fill: dict[str, Any] = {}
+    if args.recall_share is not None:
+        fill["recall_share"] = args.recall_share
+    if args.low_water is not None:
+        fill["low_water"] = args.low_water
+    today = {"low_water": 1.0, "recall_share": 0.0}
+    policies = [] if args.only_fill else [
+        ("memgate eviction, no recall", 0, today),
+        (f"memgate + store recall of dropped turns (top_k {args.top_k})", args.top_k, today)]
+    policies.append((f"memgate + fill {fill or 'shipped defaults'}", 0, fill))
     work = Path(tempfile.mkdtemp(prefix="memgate-locomo-"))
     subprocess.run([sys.executable, str(args.data / "locomo_to_payloads.py"), "--input",
                     str(args.data / "locomo" / "locomo_dev.json"), "--out-dir", str(work)],
@@ -66,23 +91,24 @@ def main() -> None:
     payloads, side = work / "payloads.jsonl", work / "side.jsonl"
     evaluator = [sys.executable, str(args.data / "retention.py"), "--original", str(payloads),
                  "--side", str(side)]
-    print("| budget | policy | macro retention | micro | all evidence | fwd tokens |")
-    print("|---|---|---|---|---|---|")
+    print("| budget | policy | macro retention | micro | all evidence | fwd tokens |"
+          " over budget |")
+    print("|---|---|---|---|---|---|---|")
     for budget in [int(b) for b in args.budgets.split(",")]:
-        runs: list[tuple[str, list[str]]] = [("recency baseline (evaluator)",
-                                              ["--baseline", "recency", "--budget", str(budget)])]
-        for name, k in (("memgate eviction, no recall", 0),
-                        (f"memgate + recall of dropped turns (top_k {args.top_k})", args.top_k)):
+        runs: list[tuple[str, list[str], int | str]] = [
+            ("recency baseline (evaluator)",
+             ["--baseline", "recency", "--budget", str(budget)], "-")]
+        for k, (name, top_k, eviction) in enumerate(policies):
             fwd = work / f"fwd_{budget}_{k}.jsonl"
-            forward_all(payloads, budget, k, fwd)
-            runs.append((name, ["--forwarded", str(fwd)]))
-        for name, extra in runs:
+            over = forward_all(payloads, budget, top_k, fwd, eviction)
+            runs.append((name, ["--forwarded", str(fwd)], over))
+        for name, extra, over in runs:
             out = work / "r.json"
             subprocess.run([*evaluator, *extra, "--json-out", str(out)], check=True,
                            capture_output=True)
             o = summary(json.loads(out.read_text()))
             print(f"| {budget} | {name} | {o['macro']:.1%} | {o['micro']:.1%} | {o['all']:.1%} |"
-                  f" {o['fwd_tok']:.0f} |")
+                  f" {o['fwd_tok']:.0f} | {over} |", flush=True)
 
 
 def summary(data: dict[str, Any]) -> dict[str, float]:

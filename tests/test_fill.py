@@ -1,0 +1,172 @@
+"""The budget-filling recall: the ranker on literal inputs, the planner hook, over HTTP."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import orjson
+from openai import AsyncOpenAI
+
+from gateway.chat import decide
+from gateway.conversation import Conversation, Group
+from gateway.policy import fill
+from gateway.rules import Rules, build_rules
+from gateway.tokens import Tokenizers
+
+from .conftest import GatewayFactory, Upstream
+
+ROOT = Path(__file__).resolve().parent.parent
+TOK = Tokenizers(10_000)
+
+
+def conv_of(texts: list[str]) -> Conversation:
+    """One single-message group per text (turn per message: enough for the ranker)."""
+    groups = [Group([i], i + 1, True, len(t)) for i, t in enumerate(texts)]
+    return Conversation(n_messages=len(texts), fixed=[], groups=groups, n_turns=len(texts),
+                        chars=[len(t) for t in texts])
+
+
+def test_rank_prefers_rare_matching_terms_then_newer() -> None:
+    """BM25: the group holding the question's rare word first; equal scores, newer first."""
+    texts = ["the weather was nice", "I adopted a puppy named Rex", "the weather again",
+             "the weather"]
+    conv = conv_of(texts)
+    idx = fill.index_history(conv, len(texts), texts.__getitem__)
+    ranked = fill.rank(idx, "What is the name of the puppy?", range(4))
+    assert ranked[0] == 1
+    # "the" is in every group: 3 and 2 (the weather) score by length, both above 0
+    assert fill.rank(idx, "weather", {0, 2, 3}) == [3, 2, 0]
+
+
+def test_rank_neighbours_and_eligibility() -> None:
+    """A group next to an eligible match gets a share of its score; ineligible groups
+    never rank, nor lend their score to neighbours."""
+    texts = ["alpha", "zebra crossing", "reply", "gamma"]
+    conv = conv_of(texts)
+    idx = fill.index_history(conv, 4, texts.__getitem__)
+    scores = fill.bm25(idx, fill.terms("zebra"), range(4))
+    assert list(scores) == [1]
+    ranked = fill.rank(idx, "zebra", range(4))
+    assert ranked[0] == 1 and set(ranked[1:]) == {0, 2}
+    assert fill.rank(idx, "zebra", {0, 1, 3}) == [1, 0]
+    assert fill.rank(idx, "zebra", {0, 2, 3}) == []
+
+
+def test_cjk_bigrams_and_stems_match() -> None:
+    """Chinese matches by bigrams (the store's index words), English by a light stem."""
+    texts = ["预算10万的方案", "无关的内容", "she researched adoption agencies"]
+    conv = conv_of(texts)
+    idx = fill.index_history(conv, 3, texts.__getitem__)
+    assert fill.rank(idx, "预算是多少", {0, 1, 3})[0] == 0
+    assert fill.rank(idx, "What did she research?", {1, 2})[0] == 2
+    assert fill.terms("Researching agencies") == ["research", "agenci"]
+
+
+def test_index_resumes_where_the_history_grew() -> None:
+    """The index in the memo is extended, not rebuilt, while the groups are the same
+    objects; another list of groups (an edited history) rebuilds it."""
+    texts = ["one apple", "two pears", "three plums"]
+    conv = conv_of(texts)
+    read: list[int] = []
+
+    def text_of(i: int) -> str:
+        read.append(i)
+        return texts[i]
+
+    fill.index_history(conv, 2, text_of)
+    assert read == [0, 1]
+    idx = fill.index_history(conv, 3, text_of)
+    assert read == [0, 1, 2] and idx.n == 3 and idx.words[2] == {"three": 1, "plum": 1}
+    edited = conv_of(texts)
+    edited.memo = conv.memo
+    fill.index_history(edited, 3, text_of)
+    assert read == [0, 1, 2, 0, 1, 2]
+
+
+def test_forward_order_moves_recalled_after_the_stable_part() -> None:
+    """System and kept history as they were, the recalled groups, then the current turn."""
+    assert fill.forward_order((0, 1, 2, 7, 8, 9), (1, 2), 9) == [0, 7, 8, 1, 2, 9]
+    assert fill.forward_order((0, 5, 6), (), 6) == [0, 5, 6]
+
+
+def chat_rules(share: float, budget: int = 400, **eviction: Any) -> Rules:
+    return build_rules({
+        "memory": {"enable_eviction": True,
+                   "budget": {"max_tokens": budget, "max_chars": None, "max_messages": None,
+                              "max_turns": None},
+                   "eviction": {"recall_share": share, **eviction}},
+        "tokens": {"models_file": "rules/models.yaml"}}, base_dir=ROOT)
+
+
+def long_chat(question: str) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+    for t in range(40):
+        fact = ("My sister's cat is called Marmalade." if t == 3
+                else f"Day {t}: we talked about the weather and the garden again.")
+        msgs += [{"role": "user", "content": fact},
+                 {"role": "assistant", "content": f"Noted, day {t}. Anything else today?"}]
+    msgs.append({"role": "user", "content": question})
+    return msgs
+
+
+def test_plan_recalls_the_relevant_dropped_turn_within_budget() -> None:
+    """The early turn the question is about comes back (with its reply as a neighbour),
+    forwarded after the stable part and before the question; within the budget."""
+    msgs = long_chat("What is the name of my sister's cat?")
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+    off = decide(raw, orjson.loads(raw), chat_rules(0.0), TOK)
+    on = decide(raw, orjson.loads(raw), chat_rules(0.5), TOK)
+    assert off.plan is not None and on.plan is not None
+    assert 7 not in off.plan.kept and off.plan.recalled == ()
+    assert 7 in on.plan.recalled and 7 in on.plan.kept
+    assert on.plan.recalled_tokens == sum(on.message_tokens(i) for i in on.plan.recalled)
+    assert not on.plan.over_budget and on.kept_tokens() <= 400
+    out = orjson.loads(on.forward)["messages"]
+    assert out[-1] == msgs[-1] and out[0] == msgs[0]
+    j = out.index(msgs[7])
+    assert all(m in msgs[1:7] or m in msgs[7:] for m in out[1:])
+    stable = [m for m in out[1:j] if msgs.index(m) > 7]
+    assert stable and all(msgs.index(a) < msgs.index(b) for a, b in pairwise(stable))
+    # planning what was forwarded again drops nothing
+    again = orjson.dumps({"model": "gpt-4o-mini", "messages": out})
+    redo = decide(again, orjson.loads(again), chat_rules(0.5), TOK)
+    assert redo.plan is not None and not redo.plan.dropped
+
+
+def test_no_fill_when_nothing_is_dropped_openers_when_nothing_matches() -> None:
+    """A history that fits is forwarded as is; a question sharing no word with the history
+    brings back only dropped turns' opening user messages, newest first."""
+    short = long_chat("cat?")[:5] + [{"role": "user", "content": "cat?"}]
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": short})
+    d = decide(raw, orjson.loads(raw), chat_rules(0.5), TOK)
+    assert d.plan is not None and not d.plan.dropped and d.plan.recalled == ()
+    msgs = long_chat("Zyxwv?")
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+    d = decide(raw, orjson.loads(raw), chat_rules(0.5), TOK)
+    assert d.plan is not None and d.plan.dropped and d.plan.recalled
+    assert all(msgs[i]["role"] == "user" for i in d.plan.recalled)
+    dropped_users = [i for i, _ in d.plan.dropped if msgs[i]["role"] == "user"]
+    assert max(d.plan.recalled) > max(dropped_users)  # the newest went first
+
+
+async def test_http_dropped_relevant_turn_comes_back(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """Through the gateway (OpenAI SDK as the caller): the dropped turn the question is
+    about is in the forwarded body, and the [mem] line says what was recalled."""
+    gw = await gateway(memory={"enable_eviction": True,
+                               "budget": {"max_tokens": 400, "max_chars": None,
+                                          "max_messages": None, "max_turns": None},
+                               "eviction": {"recall_share": 0.5}})
+    client = AsyncOpenAI(base_url=str(gw.server.make_url("/v1")), api_key="sk-test")
+    msgs = long_chat("What is the name of my sister's cat?")
+    await client.chat.completions.create(model="gpt-4o-mini", messages=msgs)  # type: ignore[arg-type]
+    await client.close()
+    fwd = upstream.last_body()["messages"]
+    assert msgs[7] in fwd and len(fwd) < len(msgs)
+    assert fwd[-1] == msgs[-1]
+    ev = (await gw.wait_mem(1))[-1]
+    assert int(ev["recalled"]) >= 1 and int(ev["recalled_tokens"]) > 0
+    assert int(ev["kept"]) == len(fwd)
