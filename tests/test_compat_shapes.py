@@ -6,9 +6,9 @@ Each shape is sent as raw HTTP (so the test owns every byte: pretty-printed JSON
 - off: the upstream receives the client's bytes unchanged;
 - on, under a budget that forces a cut: what is forwarded is valid for the API (tool pairs
   whole, a user message first, thinking blocks with their tool_use, reasoning with its
-  item), every forwarded item is byte-identical to one the client sent (an ordered
-  subsequence), the current turn is kept, and the `[mem]` line's `est_tokens` is within
-  10% of the reference count below.
+  item), every forwarded item is byte-identical to one the client sent (the stable part
+  and the recalled history each in the client's order), the current turn is kept, and
+  the `[mem]` line's `est_tokens` is within 10% of the reference count below.
 
 Reference count (documented per shape): cl100k tokens of the text the model reads (message
 text, tool arguments and outputs, MCP/search payloads, document text; never ids,
@@ -343,10 +343,15 @@ async def test_eviction_on_keeps_valid_byte_identical_history(
     await post_raw(gw.url + route, raw)
     got = upstream.received[-1]["raw"]
     kept = split_items(got, key, sent)
-    assert ordered_subsequence(kept, sent)
-    assert kept[-1] == sent[-1]  # the current turn
-    check_valid(route, json.loads(got)[key])
+    assert kept[-1] == sent[-1]  # the current turn (each shape's is its last item)
     ev = (await gw.wait_mem(1))[-1]
+    # the stable part, then the recalled history (each in the client's order), then the
+    # current turn
+    n_recalled = int(ev.get("recalled", "0"))
+    stable, recalled = kept[: len(kept) - 1 - n_recalled], kept[len(kept) - 1 - n_recalled: -1]
+    assert ordered_subsequence(stable, sent) and ordered_subsequence(recalled, sent)
+    assert len(set(kept)) == len(kept)  # nothing twice
+    check_valid(route, json.loads(got)[key])
     assert ev.get("over_budget") != "true", ev
     assert int(ev["dropped"]) > 0, ev  # the budget forced a cut: the assembly was exercised
     assert int(ev["kept"]) > 2, f"history wiped: {ev}"  # more than the current turn survives
