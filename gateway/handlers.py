@@ -26,7 +26,7 @@ from .rules import Rules, Upstream
 from .session import client_refusal, session_id, tenant_of
 from .state import RedisState, SessionRecord, compare_cut, fingerprint, known_prefix
 from .store.model import build_record, format_ts, now_us
-from .upstream import Relayed, has_dot_segment, injected_key, relay
+from .upstream import DECODED, Relayed, has_dot_segment, injected_key, relay
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
 
@@ -92,13 +92,13 @@ async def read_body(request: web.Request, limit: int, decode: bool = True) -> by
 
 
 def as_decoded(request: web.Request) -> web.Request:
-    """The request as forwarded once read_body decoded its body: no Content-Encoding
-    (the Content-Length is recomputed from the bytes sent)."""
-    if "Content-Encoding" not in request.headers:
-        return request
-    headers = request.headers.copy()
-    del headers["Content-Encoding"]
-    return request.clone(headers=headers)
+    """The request as forwarded once read_body decoded its body: marked so that the relay
+    sends no Content-Encoding (the Content-Length is recomputed from the bytes sent). A
+    mark, not a clone with new headers: aiohttp's clone re-encodes every header as strict
+    UTF-8 and fails on a client's non-UTF-8 bytes (an Authorization header, say)."""
+    if "Content-Encoding" in request.headers:
+        request[DECODED] = True
+    return request
 
 
 def _text(content: Any) -> str:

@@ -37,6 +37,10 @@ REFUSALS = frozenset((400, 413, 422))
 DISCARD_BYTES = 65_536
 
 
+# set on a request whose body read_body decoded (the relay then drops Content-Encoding)
+DECODED = web.RequestKey("memgate.decoded", bool)
+
+
 @dataclass(slots=True)
 class Relayed:
     """What happened on the wire, for the [mem] line and metrics."""
@@ -197,6 +201,8 @@ async def relay(
     hangs up after it.
     """
     headers = request_headers(request.headers, up, credential_headers)
+    if request.get(DECODED):  # read_body decoded the body that goes
+        headers.popall("Content-Encoding", None)
     if extra_headers:
         headers.update(extra_headers)
     t0 = time.perf_counter()

@@ -77,7 +77,8 @@ def long_history(turns: int, tag: str = "") -> list[dict[str, Any]]:
 
 EVICT = {"enable_eviction": True,
          "budget": {"max_tokens": 1200, "max_chars": None, "max_messages": None,
-                    "max_turns": None}}
+                    "max_turns": None},
+         "eviction": {"recall_share": 0}}  # dropped turns stay dropped: they are archived
 
 
 async def chat(s: aiohttp.ClientSession, gw: Gateway, messages: list[dict[str, Any]],

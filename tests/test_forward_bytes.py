@@ -20,7 +20,8 @@ from .test_proxy import post_raw
 BIG = 123456789012345678901234567893  # past 64 bits: orjson reads it as a float
 PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages",
          "responses": "/v1/responses"}
-EVICTING = {"enable_eviction": True, "budget": {"max_messages": 6}}
+EVICTING = {"enable_eviction": True, "budget": {"max_messages": 6},
+            "eviction": {"recall_share": 0}}  # kept in the client's order: no fill
 
 
 def history(api: str, turns: int = 8) -> dict[str, Any]:

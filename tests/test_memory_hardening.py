@@ -306,7 +306,8 @@ async def test_a_20k_word_question_recalls_from_postgres(gateway: GatewayFactory
     async with pg_schema() as (schema, _):
         budget = {"max_tokens": 1200, "max_chars": None, "max_messages": None,
                   "max_turns": None}
-        gw = await gateway(memory={"enable_eviction": True, "budget": budget},
+        gw = await gateway(memory={"enable_eviction": True, "budget": budget,
+                                       "eviction": {"recall_share": 0}},
                            store={"backend": "postgres", "archive": "evicted",
                                   "recall": {"enabled": True, "top_k": 2}},
                            env={"MEMGATE_STORE_DSN": f"{PG_DSN}?options=-csearch_path%3D{schema}"})
@@ -335,7 +336,8 @@ async def test_archived_turns_with_nul_and_a_long_agent_id_are_stored(
     answered and its evicted turns are archived (PostgreSQL refused NUL: archive_failed)."""
     budget = {"max_tokens": 1200, "max_chars": None, "max_messages": None, "max_turns": None}
     async with memory_gateway(gateway, backend, tmp_path,
-                              memory={"enable_eviction": True, "budget": budget},
+                              memory={"enable_eviction": True, "budget": budget,
+                                      "eviction": {"recall_share": 0}},
                               archive="evicted") as base:
         url = base.replace("/v1/memories", "/v1/chat/completions")
         msgs = conversation()

@@ -36,7 +36,8 @@ RAW = (b'{"model": "gpt-4o-mini", "seed": 12345678901234567890, "messages": ['
        + b", ".join(MSGS) + b"]}")
 STRIPPED = RAW.replace(BAD, b"").replace(GOOD, b"")
 TIGHT = {"budget": {"max_tokens": None, "max_chars": None, "max_messages": 4,
-                    "max_turns": None}}
+                    "max_turns": None},
+         "eviction": {"recall_share": 0}}  # the kept history is the plain cut
 _FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S*)')
 
 

@@ -169,7 +169,7 @@ def test_references_never_separated_from_results(
     assert d.plan is not None, d.skip_reason
     src = body["input"]
     out = orjson.loads(d.forward)["input"]
-    assert out == [strip(src[i]) for i in d.plan.kept]
+    assert out == [strip(src[i]) for i in d.forwarded()]  # recalled after the stable part
     last_user = max(i for i, it in enumerate(src) if it.get("role") == "user")
     assert set(range(last_user, len(src))) <= set(d.plan.kept)
     outputs = {it["call_id"] for it in out if it["type"] == "function_call_output"}
