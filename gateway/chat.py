@@ -103,14 +103,21 @@ class Decision:
                               if isinstance(self.payload, dict) else 0)
         return self._overhead
 
+    def placement(self) -> tuple[list[int], tuple[int, ...], int | None]:
+        """(the kept items that stay where they are, ascending; the recalled ones, which
+        move after them; the current turn's first item, which they go before). With no
+        current turn nothing is asked, so nothing moves."""
+        assert self.plan is not None
+        current = current_turn_start(self.conv)
+        moved = self.plan.recalled if current is not None else ()
+        back = frozenset(moved)
+        return [i for i in self.plan.kept if i not in back], moved, current
+
     def forwarded(self) -> list[int]:
         """The kept items in the order they are forwarded (recalled history moved after
         the stable part, before the current turn)."""
-        assert self.plan is not None
-        current = current_turn_start(self.conv)
-        if current is None:  # nothing asked, nothing moved (see _plan_into)
-            return list(self.plan.kept)
-        return forward_order(self.plan.kept, self.plan.recalled, current)
+        stable, moved, current = self.placement()
+        return forward_order(stable, moved, current) if moved and current is not None else stable
 
     def kept_tokens(self) -> int:
         """Estimated tokens of the request with only the plan's kept messages."""
@@ -345,12 +352,7 @@ def _plan_into(
         if d.cache_marker_dropped and rules.memory.eviction.move_cache_marker:
             marker_at = _end_of_stable_prefix(d.conv, d.plan)
             d.cache_marker_moved = marker_at is not None
-        before = current_turn_start(d.conv)
-        # recalled history goes after the stable part, before the current turn (with no
-        # current turn nothing is asked, so nothing is recalled: kept where it was)
-        moved = d.plan.recalled if before is not None else ()
-        back = frozenset(moved)
-        stable = [i for i in d.plan.kept if i not in back]
+        stable, moved, before = d.placement()
         _forward(d, wire.build_body(raw, payload, stable, marker_at, d.note, before,
                                     d.conv.has_metadata,
                                     {i: d.compacted[i] for i in d.plan.kept if i in d.compacted},
@@ -378,8 +380,8 @@ def _compact(d: Decision, rules: Rules, archive_in: str | None) -> bool:
     """The compact_tools stage, run when the plan had to drop (or could not fit): every
     eligible tool result compacted (each a function of its text, the rules and the
     archiving tenant), the conversation's sizes and the planner's counts made those of
-    the compacted items; True if any was. An original the store would cut (over max_chars_per_record) is
-    not archived: the marker says so."""
+    the compacted items; True if any was. An original the store would cut (over
+    max_chars_per_record) is not archived: the marker says so."""
     conv = d.conv
     assert conv is not None
     crules = rules.memory.eviction.compact

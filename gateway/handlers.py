@@ -88,17 +88,11 @@ async def read_body(request: web.Request, limit: int, decode: bool = True) -> by
         chunks.append(inflate.feed(chunk) if inflate is not None else chunk)
     if inflate is not None:
         inflate.finish()
-    return b"".join(chunks)
-
-
-def as_decoded(request: web.Request) -> web.Request:
-    """The request as forwarded once read_body decoded its body: marked so that the relay
-    sends no Content-Encoding (the Content-Length is recomputed from the bytes sent). A
-    mark, not a clone with new headers: aiohttp's clone re-encodes every header as strict
-    UTF-8 and fails on a client's non-UTF-8 bytes (an Authorization header, say)."""
-    if "Content-Encoding" in request.headers:
+        # what goes upstream is the decoded body: the relay sends no Content-Encoding (a
+        # mark, not a clone with new headers: aiohttp's clone re-encodes every header as
+        # strict UTF-8 and fails on a client's non-UTF-8 bytes, an Authorization say)
         request[DECODED] = True
-    return request
+    return b"".join(chunks)
 
 
 def _text(content: Any) -> str:
@@ -214,7 +208,6 @@ def intercept(wire: Wire) -> Handler:
                 if up is not None:
                     _admit(rules, up, request)
                 raw = await read_body(request, rules.max_body_bytes)
-                request = as_decoded(request)
                 if up is not None and _unchangeable(state, rules, wire, raw):
                     # nothing a decision could change: the client's bytes go upstream now,
                     # the measuring and the [mem] line follow the response
