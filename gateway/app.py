@@ -50,6 +50,10 @@ class GatewayState:
         1, thread_name_prefix="memgate-count"))
     pool: UpstreamPool = field(default_factory=UpstreamPool)
     log: Any = None
+    # called with (the [mem] fields, the decision or None, what happened on the wire) after
+    # each [mem] line: the console and tracing read requests here, the request path never
+    # waits on them (an observer that raises is logged once per request and skipped)
+    observers: list[Callable[[dict[str, Any], Any, Any], None]] = field(default_factory=list)
 
     @property
     def rules(self) -> Rules:

@@ -470,6 +470,12 @@ def _log_mem(
             fields, wire.name, d.raw, d.payload is not None, d.forward))
     state.metrics.observe(wire.name, fields["mode"], d, info, overhead_ms / 1000,
                           fields.get("est_tokens") if d is not None and d.conv else None)
+    for observe in state.observers:
+        try:
+            observe(fields, d, info)
+        except Exception as exc:  # noqa: BLE001 - an observer never fails a request
+            state.log.error("observer_failed", error=type(exc).__name__,
+                            detail=str(exc)[:200], req=rid)
 
 
 async def _measure_session(

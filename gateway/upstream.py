@@ -51,6 +51,9 @@ class Relayed:
     stream: str = "complete"  # complete | upstream_aborted | client_gone
     ended: bool = False  # the upstream's terminal event was relayed to the client
     first_status: int = 0  # the refusal of the changed body, when the original was resent
+    # the provider's own token counts read from the answer (JSON or SSE), when it sent them:
+    # keys input, cached, output (and cache_write for Anthropic)
+    usage: dict[str, int] | None = None
 
     def client_left(self) -> None:
         """The client hung up: a stream it was sent to its terminal event is complete
