@@ -27,6 +27,7 @@ from .session import client_refusal, session_id, tenant_of
 from .state import RedisState, SessionRecord, compare_cut, fingerprint, known_prefix
 from .store.model import build_record, format_ts, now_us
 from .upstream import DECODED, Relayed, has_dot_segment, injected_key, relay
+from .usage import log_fields as usage_log_fields
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
 
@@ -215,7 +216,7 @@ def intercept(wire: Wire) -> Handler:
                     overhead_ms = (time.perf_counter() - t0) * 1000
                     return await relay(request, state.pool, up, raw, info,
                                        credential_headers=rules.tenants.credential_headers,
-                                       stream_ends=wire.stream_ends)
+                                       stream_ends=wire.stream_ends, usage_wire=wire.name)
                 d, session = _decide(state, request, rules, wire, raw, tenant)
                 if up is None:
                     up = rules.upstream_for(request.path, d.model)
@@ -235,7 +236,7 @@ def intercept(wire: Wire) -> Handler:
                 return await relay(request, state.pool, up, d.forward, info,
                                    credential_headers=rules.tenants.credential_headers,
                                    stream_ends=wire.stream_ends,
-                                   original=_fallback_body(rules, d))
+                                   original=_fallback_body(rules, d), usage_wire=wire.name)
             except GatewayError as err:
                 info.status = err.status
                 if not overhead_ms:
@@ -457,6 +458,7 @@ def _log_mem(
         "status": info.status or 499,
         "upstream_ms": round(info.upstream_ms, 2),
         "overhead_ms": round(overhead_ms, 2),
+        **usage_log_fields(info.usage),  # only what the provider sent
         "req": rid,
         **tail,
     }
@@ -470,6 +472,9 @@ def _log_mem(
             fields, wire.name, d.raw, d.payload is not None, d.forward))
     state.metrics.observe(wire.name, fields["mode"], d, info, overhead_ms / 1000,
                           fields.get("est_tokens") if d is not None and d.conv else None)
+    if info.usage:
+        state.metrics.observe_usage(wire.name, state.rules.model_info(fields["model"]).match,
+                                    info.usage)
     for observe in state.observers:
         try:
             observe(fields, d, info)

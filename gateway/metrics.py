@@ -1,5 +1,6 @@
 """Prometheus metrics (`GET /metrics`). Labels are bounded: api, mode, status code,
-reload result — never a session id or a model name a client can invent."""
+reload result, a models-file glob — never a session id or a model name a client can
+invent."""
 
 from __future__ import annotations
 
@@ -61,9 +62,16 @@ class Metrics:
                                 "Changed bodies the upstream refused, resent as the client "
                                 "sent them, by route and the refusal's status",
                                 ["route", "status"], registry=r)
+        self.usage = Counter("memgate_usage_tokens",
+                             "Tokens the provider reported in its answers' usage, by route, "
+                             "model (the models file's matching `match` glob, else other) "
+                             "and kind: input (every prompt token, cached ones included), "
+                             "cached, output, cache_write (Anthropic)",
+                             ["route", "model", "kind"], registry=r)
         # labelled children by route / (route, mode, status): bounded like the labels
         self._routes: dict[str, _Route] = {}
         self._requests: dict[tuple[str, str, int], Any] = {}
+        self._usage: dict[tuple[str, str, str], Any] = {}
 
     def watch_history(self, cache: HistoryCache) -> None:
         """Export the per-session history cache: hits, misses, entries, estimated bytes."""
@@ -118,6 +126,18 @@ class Metrics:
             self.pinned_overflow.inc(p.pinned_overflow)
             if p.over_budget:
                 self.over_budget.inc()
+
+    def observe_usage(self, route: str, model_match: str, usage: dict[str, int]) -> None:
+        """Count the provider's own numbers. `model_match` is a glob of the models file
+        ("*" for its default), never the client's model string: the label stays bounded
+        by the config."""
+        model = "other" if model_match == "*" else model_match
+        for kind, n in usage.items():
+            key = (route, model, kind)
+            child = self._usage.get(key)
+            if child is None:
+                child = self._usage[key] = self.usage.labels(route, model, kind)
+            child.inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

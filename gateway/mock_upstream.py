@@ -11,12 +11,84 @@ from __future__ import annotations
 
 import re
 import time
+from collections import OrderedDict
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 RECORD = web.AppKey("records", list)
+PROMPTS = web.AppKey("prompts", OrderedDict)
+# a provider's prompt cache, as OpenAI documents it: a prefix of 1024 tokens or more is
+# read from the cache in steps of 128; the mock remembers this many sessions' prompts
+CACHE_MIN_TOKENS = 1024
+CACHE_STEP = 128
+CACHE_SESSIONS = 256
+
+
+def _tokens(raw: bytes) -> int:
+    """A provider-like count: about four bytes of JSON per token."""
+    return max(1, len(raw) // 4)
+
+
+def _prompt_usage(request: web.Request, body: dict[str, Any]) -> tuple[int, int, int]:
+    """(prompt tokens, of them cached, of them at or before the last cache_control) for
+    this request; the cached part is the prefix it shares with the session's last one.
+    The prompt is its model-visible parts in order: system / instructions / tools, then
+    the items."""
+    items = body.get("messages") or body.get("input") or []
+    if isinstance(items, str):
+        items = [items]
+    head = {k: body[k] for k in ("system", "instructions", "tools") if k in body}
+    parts = [orjson.dumps(head)] + [orjson.dumps(m) for m in items]
+    sizes = [_tokens(p) for p in parts]
+    cache: OrderedDict[str, list[bytes]] = request.app[PROMPTS]
+    key = request.headers.get("X-Session-Id", "")
+    prev = cache.pop(key, [])
+    cache[key] = parts
+    while len(cache) > CACHE_SESSIONS:
+        cache.popitem(last=False)
+    same = 0
+    for a, b in zip(parts, prev, strict=False):
+        if a != b:
+            break
+        same += 1
+    shared = sum(sizes[:same])
+    cached = shared // CACHE_STEP * CACHE_STEP if shared >= CACHE_MIN_TOKENS else 0
+    marked = max((i for i, p in enumerate(parts) if b'"cache_control"' in p), default=-1)
+    return sum(sizes), cached, sum(sizes[: marked + 1])
+
+
+def _output_tokens(text: str) -> int:
+    return max(1, len(text.encode()) // 4)
+
+
+def chat_usage(request: web.Request, body: dict[str, Any], text: str) -> dict[str, Any]:
+    total, cached, _ = _prompt_usage(request, body)
+    out = _output_tokens(text)
+    return {"prompt_tokens": total, "completion_tokens": out, "total_tokens": total + out,
+            "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
+            "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+                                          "accepted_prediction_tokens": 0,
+                                          "rejected_prediction_tokens": 0}}
+
+
+def responses_usage(request: web.Request, body: dict[str, Any], text: str) -> dict[str, Any]:
+    total, cached, _ = _prompt_usage(request, body)
+    out = _output_tokens(text)
+    return {"input_tokens": total, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": total + out}
+
+
+def anthropic_usage(request: web.Request, body: dict[str, Any]) -> dict[str, int]:
+    """Anthropic caches only up to a cache_control breakpoint, and its input_tokens
+    counts what is neither read from nor written to the cache."""
+    total, cached, upto_marker = _prompt_usage(request, body)
+    read = min(cached, upto_marker)
+    write = max(0, upto_marker - read) if upto_marker else 0
+    return {"input_tokens": total - read - write, "cache_creation_input_tokens": write,
+            "cache_read_input_tokens": read}
 
 
 def _text(content: Any) -> str:
@@ -64,6 +136,7 @@ async def _received(request: web.Request) -> dict[str, Any]:
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await _received(request)
     text = _reply_text(body)
+    usage = chat_usage(request, body, text)
     created = int(time.time())
     if not body.get("stream"):
         return web.json_response(
@@ -74,24 +147,30 @@ async def chat(request: web.Request) -> web.StreamResponse:
                 "model": body.get("model", "mock"),
                 "choices": [{"index": 0, "finish_reason": "stop",
                              "message": {"role": "assistant", "content": text}}],
-                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+                "usage": usage,
             },
             dumps=lambda o: orjson.dumps(o).decode(),
         )
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
+    opts = body.get("stream_options")
+    # with include_usage every chunk says "usage": null and one more, with no choices, has it
+    nulls = {"usage": None} if isinstance(opts, dict) and opts.get("include_usage") else {}
     words = text.split(" ")
     for i, w in enumerate(words):
         chunk = {
             "id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": created,
             "model": body.get("model", "mock"),
             "choices": [{"index": 0, "delta": {"content": w + (" " if i < len(words) - 1 else "")},
-                         "finish_reason": None}],
+                         "finish_reason": None}], **nulls,
         }
         await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
     done = {"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": created,
             "model": body.get("model", "mock"),
             "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    if nulls:
+        await resp.write(b"data: " + orjson.dumps({**done, **nulls}) + b"\n\n")
+        done = {**done, "choices": [], "usage": usage}
     await resp.write(b"data: " + orjson.dumps(done) + b"\n\ndata: [DONE]\n\n")
     await resp.write_eof()
     return resp
@@ -101,10 +180,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic Messages, plain or streamed."""
     body = await _received(request)
     text = _reply_text(body)
+    usage = anthropic_usage(request, body)
+    out = _output_tokens(text)
     message = {"id": "msg_mock", "type": "message", "role": "assistant",
                "model": body.get("model", "mock"), "content": [{"type": "text", "text": text}],
                "stop_reason": "end_turn", "stop_sequence": None,
-               "usage": {"input_tokens": 0, "output_tokens": 0}}
+               "usage": {**usage, "output_tokens": out}}
     if not body.get("stream"):
         return web.Response(body=orjson.dumps(message), content_type="application/json")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -114,7 +195,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         await resp.write(f"event: {name}\ndata: ".encode() + orjson.dumps(data) + b"\n\n")
 
     await event("message_start", {"type": "message_start",
-                                  "message": {**message, "content": [], "stop_reason": None}})
+                                  "message": {**message, "content": [], "stop_reason": None,
+                                              "usage": {**usage, "output_tokens": 1}}})
     await event("content_block_start", {"type": "content_block_start", "index": 0,
                                         "content_block": {"type": "text", "text": ""}})
     await event("content_block_delta", {"type": "content_block_delta", "index": 0,
@@ -122,24 +204,45 @@ async def messages(request: web.Request) -> web.StreamResponse:
     await event("content_block_stop", {"type": "content_block_stop", "index": 0})
     await event("message_delta", {"type": "message_delta",
                                   "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-                                  "usage": {"output_tokens": 0}})
+                                  "usage": {"output_tokens": out}})
     await event("message_stop", {"type": "message_stop"})
     await resp.write_eof()
     return resp
 
 
-async def responses(request: web.Request) -> web.Response:
-    """OpenAI Responses, plain."""
+async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI Responses, plain or streamed (created, text deltas, completed)."""
     body = await _received(request)
     text = _reply_text(body)
-    return web.Response(body=orjson.dumps({
+    done = {
         "id": "resp_mock", "object": "response", "created_at": int(time.time()),
         "status": "completed", "model": body.get("model", "mock"),
         "output": [{"type": "message", "id": "msg_mock", "status": "completed",
                     "role": "assistant",
                     "content": [{"type": "output_text", "text": text, "annotations": []}]}],
-        "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0},
-    }), content_type="application/json")
+        "usage": responses_usage(request, body, text),
+    }
+    if not body.get("stream"):
+        return web.Response(body=orjson.dumps(done), content_type="application/json")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    seq = 0
+
+    async def event(name: str, data: dict[str, Any]) -> None:
+        nonlocal seq
+        await resp.write(f"event: {name}\ndata: ".encode()
+                         + orjson.dumps({"type": name, "sequence_number": seq, **data})
+                         + b"\n\n")
+        seq += 1
+
+    await event("response.created", {"response": {**done, "status": "in_progress",
+                                                  "output": [], "usage": None}})
+    for word in text.split(" "):
+        await event("response.output_text.delta", {"item_id": "msg_mock", "output_index": 0,
+                                                   "content_index": 0, "delta": word + " "})
+    await event("response.completed", {"response": done})
+    await resp.write_eof()
+    return resp
 
 
 async def models(request: web.Request) -> web.Response:
@@ -151,6 +254,7 @@ async def models(request: web.Request) -> web.Response:
 def create_mock_app() -> web.Application:
     app = web.Application(client_max_size=1 << 30)
     app[RECORD] = []
+    app[PROMPTS] = OrderedDict()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/responses", responses)

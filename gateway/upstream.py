@@ -21,6 +21,7 @@ from multidict import CIMultiDict
 
 from .errors import GatewayError, UpstreamTimeout, UpstreamUnreachable
 from .rules import Upstream
+from .usage import reader_for
 
 HOP_BY_HOP = frozenset(
     (
@@ -193,6 +194,7 @@ async def relay(
     credential_headers: tuple[str, ...] = (),
     stream_ends: tuple[bytes, ...] = (),
     original: bytes | None = None,
+    usage_wire: str = "",
 ) -> web.StreamResponse:
     """Send the request upstream and stream the answer back as it arrives.
 
@@ -201,7 +203,8 @@ async def relay(
     Raises GatewayError when no upstream response could be had; once the
     response has started, failures end the stream and are recorded in `info`.
     An event stream is complete once a `stream_ends` line was relayed, whoever
-    hangs up after it.
+    hangs up after it. `usage_wire`: the wire whose `usage` the answer is read for
+    (into `info.usage`, whatever part of it arrived).
     """
     headers = request_headers(request.headers, up, credential_headers)
     if request.get(DECODED):  # read_body decoded the body that goes
@@ -241,12 +244,15 @@ async def relay(
             return resp
         end = (StreamEnd(stream_ends) if stream_ends
                and up_resp.content_type == "text/event-stream" else None)
+        usage = reader_for(usage_wire, up_resp.status, up_resp.headers) if usage_wire else None
         try:
             async for chunk in up_resp.content.iter_any():
                 info.bytes_out += len(chunk)
                 await resp.write(chunk)
                 if end is not None and end.seen(chunk):
                     info.ended, end = True, None
+                if usage is not None:
+                    usage.feed(chunk)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             info.client_left()
             return resp
@@ -263,6 +269,9 @@ async def relay(
             elif request.transport is not None:
                 request.transport.close()
             return resp
+        finally:  # what arrived of the usage, however the answer ended
+            if usage is not None:
+                info.usage = usage.result()
         try:
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
