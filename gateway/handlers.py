@@ -157,6 +157,8 @@ def mem_fields(
         f.update(evict="none", kept=len(msgs), dropped=0, pinned=0)
     elif d.mode == "on":
         f.update(evict=p.evict, kept=len(p.kept), dropped=len(p.dropped), pinned=p.pinned)
+        if p.dropped or d.compacted:  # the estimate of what went (est_tokens: what came)
+            f["est_sent_tokens"] = d.kept_tokens()
         if p.recalled:  # dropped history the fill brought back (counted in kept)
             f.update(recalled=len(p.recalled), recalled_tokens=p.recalled_tokens)
     else:

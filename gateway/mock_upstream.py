@@ -235,11 +235,22 @@ async def responses(request: web.Request) -> web.StreamResponse:
                          + b"\n\n")
         seq += 1
 
-    await event("response.created", {"response": {**done, "status": "in_progress",
-                                                  "output": [], "usage": None}})
-    for word in text.split(" "):
-        await event("response.output_text.delta", {"item_id": "msg_mock", "output_index": 0,
-                                                   "content_index": 0, "delta": word + " "})
+    item = done["output"][0]
+    part = {"type": "output_text", "text": "", "annotations": []}
+    at = {"item_id": "msg_mock", "output_index": 0, "content_index": 0}
+    started = {**done, "status": "in_progress", "output": [], "usage": None}
+    await event("response.created", {"response": started})
+    await event("response.in_progress", {"response": started})
+    await event("response.output_item.added", {"output_index": 0, "item": {
+        **item, "status": "in_progress", "content": []}})
+    await event("response.content_part.added", {**at, "part": part})
+    words = text.split(" ")
+    for i, word in enumerate(words):
+        await event("response.output_text.delta",
+                    {**at, "delta": word + (" " if i < len(words) - 1 else ""), "logprobs": []})
+    await event("response.output_text.done", {**at, "text": text, "logprobs": []})
+    await event("response.content_part.done", {**at, "part": {**part, "text": text}})
+    await event("response.output_item.done", {"output_index": 0, "item": item})
     await event("response.completed", {"response": done})
     await resp.write_eof()
     return resp
@@ -258,5 +269,9 @@ def create_mock_app() -> web.Application:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/responses", responses)
+    # Azure OpenAI's routes: the same shapes under a deployment or its v1 API
+    app.router.add_post("/openai/deployments/{deployment}/chat/completions", chat)
+    app.router.add_post("/openai/v1/chat/completions", chat)
+    app.router.add_post("/openai/v1/responses", responses)
     app.router.add_get("/v1/models", models)
     return app

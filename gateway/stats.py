@@ -52,6 +52,7 @@ class Report:
     skipped: list[str] = field(default_factory=list)
     simulation: Simulation | None = None
     budget_tokens: int | None = None
+    spend: dict[str, Spend] = field(default_factory=dict)  # [mem] records, by session
 
 
 def _mem_from_console(line: str) -> dict[str, str] | None:
@@ -115,8 +116,10 @@ def measure(
             progress.flush()
         if isinstance(rec, dict) and rec.get("event") == "mem":
             try:
-                report.samples.append(Sample(str(rec.get("session", "?")), int(rec["hist_msgs"]),
-                                             int(rec["hist_chars"]), int(rec["est_tokens"])))
+                got = Sample(str(rec.get("session", "?")), int(rec["hist_msgs"]),
+                             int(rec["hist_chars"]), int(rec["est_tokens"]))
+                add_spend(report.spend, rec)  # checks its fields before it counts
+                report.samples.append(got)
             except (KeyError, ValueError):
                 report.skipped.append(f"{where}: a [mem] record without hist_* fields")
             continue
@@ -163,6 +166,13 @@ def percentile(values: list[int], q: float) -> int:
 
 
 def summary(report: Report) -> dict[str, Any]:
+    out = _summary(report)
+    if report.spend:
+        out["usage"] = spend_summary(report.spend)
+    return out
+
+
+def _summary(report: Report) -> dict[str, Any]:
     s = report.samples
     out: dict[str, Any] = {"requests": len(s), "skipped": len(report.skipped)}
     if not s:
@@ -217,6 +227,8 @@ def render_table(s: dict[str, Any]) -> str:
             f"evicted, {p['messages_dropped']} messages / {p['tokens_dropped']} tokens dropped, "
             f"{p['pins_kept']} pins kept, {p['over_budget']} over budget"
         )
+    if "usage" in s:
+        lines += render_spend(s["usage"])
     return "\n".join(lines)
 
 
@@ -240,3 +252,89 @@ def plot(report: Report, path: str, budget: int | None) -> str | None:
     fig.tight_layout()
     fig.savefig(path)
     return None
+
+
+# --------------------------------------------------------------------------- provider usage
+# What the [mem] lines say went to the provider, per session: the tokens sent (the
+# provider's own usage_in where its answer had it, else memgate's estimate of the
+# forwarded body, est_sent_tokens, or of the request, est_tokens, when nothing was
+# cut) against the client's original size (est_tokens, memgate's estimate of the
+# request as the client sent it), and the share of the sent tokens the provider read
+# from its prompt cache (usage_cached / usage_in, over the answers that had usage).
+
+SPEND_SESSIONS = 20  # the largest sessions listed; the total counts all
+
+
+@dataclass(slots=True)
+class Spend:
+    requests: int = 0
+    original: int = 0
+    sent: int = 0
+    with_usage: int = 0  # requests whose answer had the provider's usage
+    usage_in: int = 0
+    cached: int = 0
+
+
+def _count(rec: dict[str, Any], key: str) -> int | None:
+    v = rec.get(key)
+    if v is None or v == "":
+        return None
+    return int(v)
+
+
+def add_spend(spend: dict[str, Spend], rec: dict[str, Any]) -> None:
+    """Count one [mem] record (JSON values or console strings) into its session's row."""
+    original = int(rec["est_tokens"])
+    usage_in = _count(rec, "usage_in")
+    cached = _count(rec, "usage_cached") or 0
+    estimate = _count(rec, "est_sent_tokens")
+    row = spend.setdefault(str(rec.get("session", "?")), Spend())
+    row.requests += 1
+    row.original += original
+    if usage_in is not None:
+        row.sent += usage_in
+        row.with_usage += 1
+        row.usage_in += usage_in
+        row.cached += cached
+    else:
+        row.sent += estimate if estimate is not None else original
+
+
+def _spend_row(x: Spend) -> dict[str, Any]:
+    return {"requests": x.requests, "original_tokens": x.original, "sent_tokens": x.sent,
+            "saved_share": round(1 - x.sent / x.original, 4) if x.original else None,
+            "with_usage": x.with_usage, "usage_in": x.usage_in, "usage_cached": x.cached,
+            "cached_share": round(x.cached / x.usage_in, 4) if x.usage_in else None}
+
+
+def spend_summary(spend: dict[str, Spend]) -> dict[str, Any]:
+    total = Spend()
+    for x in spend.values():
+        for f in Spend.__slots__:
+            setattr(total, f, getattr(total, f) + getattr(x, f))
+    largest = sorted(spend.items(), key=lambda kv: (-kv[1].original, kv[0]))
+    return {"sessions": [{"session": k, **_spend_row(x)} for k, x in largest[:SPEND_SESSIONS]],
+            "more_sessions": max(0, len(spend) - SPEND_SESSIONS),
+            "total": _spend_row(total)}
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def render_spend(u: dict[str, Any]) -> list[str]:
+    lines = ["provider usage: sent = the provider's usage_in where the answer had it, else "
+             "memgate's estimate; original = est_tokens",
+             f"{'session':<24}{'requests':>9}{'original':>11}{'sent':>11}{'saved':>7}"
+             f"{'usage':>7}{'cached':>8}"]
+
+    def row(name: str, r: dict[str, Any]) -> str:
+        return (f"{name[:23]:<24}{r['requests']:>9}{r['original_tokens']:>11}"
+                f"{r['sent_tokens']:>11}{_share(r['saved_share']):>7}"
+                f"{r['with_usage']:>7}{_share(r['cached_share']):>8}")
+
+    lines += [row(r["session"], r) for r in u["sessions"]]
+    if u["more_sessions"]:
+        lines.append(f"... {u['more_sessions']} more sessions")
+    lines.append(row("total", u["total"]))
+    return lines
