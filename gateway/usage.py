@@ -242,19 +242,22 @@ class UsageReader:
         """Lines are judged whole; only the unfinished last one is carried to the next
         chunk. Whole lines inside the chunk are looked at only when the chunk holds a
         `"usage"` key at all (most events of a stream do not)."""
-        first = chunk.find(b"\n")
-        if first < 0:
+        last = chunk.rfind(b"\n")
+        if last < 0:
             self._line.add(chunk)
             return
-        self._line.add(chunk[:first])
-        line, self._line = self._line, _Bounded(LINE_BYTES)
-        if line.cut:
-            self._cut_line(line.head, line.tail)
-        else:
-            self._whole_line(line.value())
-        last = chunk.rfind(b"\n")
-        if last > first and chunk.find(_USAGE_KEY, first + 1, last) >= 0:
-            for data in chunk[first + 1:last].split(b"\n"):
+        start = 0
+        if self._line.size:  # the line the last chunk left unfinished ends here
+            start = chunk.find(b"\n")
+            self._line.add(chunk[:start])
+            line, self._line = self._line, _Bounded(LINE_BYTES)
+            if line.cut:
+                self._cut_line(line.head, line.tail)
+            else:
+                self._whole_line(line.value())
+            start += 1
+        if start < last and chunk.find(_USAGE_KEY, start, last) >= 0:
+            for data in chunk[start:last].split(b"\n"):
                 if len(data) > LINE_BYTES:
                     self._cut_line(data[:HEAD_BYTES], data[-TAIL_BYTES:])
                 else:
