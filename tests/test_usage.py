@@ -457,6 +457,10 @@ async def test_stats_reads_sent_vs_original_and_cached_share(
         text = gw.log.getvalue()
         lines = [ln for ln in text.splitlines() if "mem" in ln]
         assert len(lines) >= 3
+        if fmt == "console":  # the plan cut: the estimate of what went is on the line too
+            for ev in gw.mem_events():
+                assert int(ev["dropped"]) > 0
+                assert 0 < int(ev["est_sent_tokens"]) < int(ev["est_tokens"])
         report = stats.measure(["-"], load_rules(ROOT / "rules" / "gateway.yaml", {}),
                                simulate=False, stdin=io.StringIO(text))
         s = stats.summary(report)
