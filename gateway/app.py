@@ -102,7 +102,12 @@ def _switch_tracing(state: GatewayState, rules: Rules, env: Mapping[str, str]) -
             state.log.warning("tracing_unavailable", error=str(exc)[:200],
                               detail="pip install 'memgate[otel]'")
             return
-        state.tracing = otel.from_env(env, lambda: state.log)
+        try:
+            state.tracing = otel.from_env(env, lambda: state.log)
+        except Exception as exc:  # noqa: BLE001 - tracing never stops the gateway
+            state.log.error("tracing_unavailable", error=type(exc).__name__,
+                            detail=str(exc)[:200])
+            return
     tracing = state.tracing
     if tracing is None or on == (state.tracer is not None):
         return

@@ -15,6 +15,7 @@ span ends when the accounting is done, stamped with the time the response was.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
@@ -53,20 +54,21 @@ def _clip(v: str) -> str:
     return v if len(v) <= MAX_VALUE_CHARS else v[:MAX_VALUE_CHARS]
 
 
+@functools.lru_cache(maxsize=256)  # per configured upstream
+def _server(up: Upstream) -> tuple[tuple[str, Any], ...]:
+    u = urlsplit(up.base_url)
+    port = u.port or (443 if u.scheme == "https" else 80)
+    return (("server.address", u.hostname or ""), ("server.port", port))
+
+
 def provider_name(wire: Wire, path: str, up: Upstream | None = None) -> str:
     """gen_ai.provider.name: Anthropic by wire; Azure OpenAI by its routes or host."""
     if wire.flavor == "anthropic":
         return "anthropic"
-    host = (urlsplit(up.base_url).hostname or "") if up is not None else ""
+    host = _server(up)[0][1] if up is not None else ""
     if path.startswith("/openai/") or host.endswith(_AZURE_HOSTS):
         return "azure.ai.openai"
     return "openai"
-
-
-def _server(up: Upstream) -> dict[str, Any]:
-    u = urlsplit(up.base_url)
-    port = u.port or (443 if u.scheme == "https" else 80)
-    return {"server.address": u.hostname or "", "server.port": port}
 
 
 def _request_params(payload: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -335,6 +335,7 @@ async def test_unsampled_caller_is_propagated_not_recorded(
     assert [p.count for p in t.metric("gen_ai.client.operation.duration")] == [1]
 
 
+@settings(max_examples=50)
 @given(trace_id=st.integers(1, 2**128 - 1), span_id=st.integers(1, 2**64 - 1),
        sampled=st.booleans())
 def test_traceparent_continued_and_handed_on(trace_id: int, span_id: int,
@@ -488,6 +489,7 @@ async def main():
 asyncio.run(main())
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+                         check=False, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
