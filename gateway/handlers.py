@@ -9,7 +9,7 @@ import os
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -29,6 +29,9 @@ from .store.model import build_record, format_ts, now_us
 from .upstream import DECODED, Relayed, has_dot_segment, injected_key, relay
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
+
+if TYPE_CHECKING:  # the optional extra: imported only while tracing is on
+    from .otel import RequestSpan
 
 _RID = re.compile(r"[^A-Za-z0-9._-]")
 # a history with more uncounted text than this is token-counted for the [mem] line on the
@@ -564,7 +567,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
 
 
 async def _relay_as_is(request: web.Request, state: GatewayState, info: Relayed,
-                       span: Any) -> web.StreamResponse:
+                       span: RequestSpan | None) -> web.StreamResponse:
     """A body with a Content-Length is streamed through, a chunked one is read (up to
     limits.max_body_bytes) first."""
     rules = state.rules
