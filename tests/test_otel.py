@@ -34,6 +34,7 @@ from gateway.upstream import Relayed
 from gateway.wire import OPENAI_CHAT
 
 from .conftest import SECRET, Gateway, GatewayFactory, Upstream
+from .test_azure import azure, routes  # noqa: F401 - the Azure stand-in fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -202,6 +203,28 @@ async def test_anthropic_messages_spans(gateway: GatewayFactory, upstream: Upstr
     for span, ev, got in zip(spans, t.mem(), upstream.received, strict=True):
         check_span(span, ev, got, model, "anthropic", "anthropic_messages")
         assert dict(span.attributes or {})["gen_ai.request.max_tokens"] in (100, 50)
+
+
+async def test_azure_deployment_span_in_shadow(
+    gateway: GatewayFactory, upstream: Upstream, azure: Upstream  # noqa: F811
+) -> None:
+    """AzureOpenAI on a deployment route, eviction in shadow (forwarded before it is
+    measured): provider azure.ai.openai, model from the deployment, linked both ways."""
+    t = await traced(gateway, upstreams=routes(azure, upstream))
+    client = openai.AsyncAzureOpenAI(azure_endpoint=t.gw.url, api_key=SECRET,
+                                     api_version="2024-10-21", max_retries=0)
+    async with client:
+        await client.chat.completions.create(model="prod-4o", messages=history(3),  # type: ignore[arg-type]
+                                             extra_headers=CALLER)
+    (span,) = await t.spans(1)
+    (ev,) = t.mem()
+    a = dict(span.attributes or {})
+    assert span.name == "chat prod-4o" and a["gen_ai.provider.name"] == "azure.ai.openai"
+    assert a["memgate.mode"] == ev["mode"] == "shadow" and a["memgate.would_drop"] >= 0
+    assert a["server.address"] == "127.0.0.1" and a["server.port"] == azure.server.port
+    _, up_parent, _ = parent_of(azure.received[-1]["headers"]["traceparent"])
+    assert up_parent == f"{span.get_span_context().span_id:016x}"
+    assert span.parent is not None and f"{span.parent.span_id:016x}" == CALLER_SPAN
 
 
 async def test_duration_metric_per_request(gateway: GatewayFactory, upstream: Upstream) -> None:
