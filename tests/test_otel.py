@@ -31,7 +31,7 @@ from gateway.errors import RulesError
 from gateway.otel import Tracing
 from gateway.rules import build_rules
 from gateway.upstream import Relayed
-from gateway.wire import OPENAI_CHAT
+from gateway.wire.openai_chat import OPENAI_CHAT
 
 from .conftest import SECRET, Gateway, GatewayFactory, Upstream
 from .test_azure import azure, routes  # noqa: F401 - the Azure stand-in fixture

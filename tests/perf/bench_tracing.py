@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """What OpenTelemetry tracing costs: memgate with tracing off vs on, same run (loopback only).
 
-    python tests/perf/bench_tracing.py [--seconds 3]
+    python tests/perf/bench_tracing.py [--seconds 2] [--rounds 3]
 
 Starts the fixed-answer upstream of bench_gateway.py, a local OTLP/HTTP collector (answers
 POST /v1/traces and /v1/metrics, counts what arrives) and four gateways: eviction off and
 on, each with tracing off and with `tracing.enabled: true` exporting spans (batched) and
 GenAI metrics (every second) to the collector. Per payload size it prints p50 latency at
 concurrency 1, throughput at concurrency 16 and the gateway's CPU time per request under
-that load, and the traced/untraced ratios of each; then what the collector received.
+that load (medians of alternating rounds), and the traced/untraced ratios of each; then
+the CPU per traced request measured in-process, and what the collector received.
 Bounded in time; everything stops by itself.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -81,7 +83,7 @@ def per_span(port: int, n: int = 20_000) -> None:
     from gateway.otel import Tracing
     from gateway.rules import Upstream
     from gateway.upstream import Relayed
-    from gateway.wire import OPENAI_CHAT
+    from gateway.wire.openai_chat import OPENAI_CHAT
 
     base = f"http://127.0.0.1:{port}"
     tp = TracerProvider()
@@ -127,9 +129,20 @@ def per_span(port: int, n: int = 20_000) -> None:
           f"(span + attributes + propagation + metrics + batched OTLP export, {n} requests)")
 
 
+def measure(proc: bg.Proc, payload: bytes, seconds: float) -> tuple[float, float, float]:
+    """(p50 ms at concurrency 1, req/s at 16, the gateway's CPU ms per request under it)."""
+    url = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
+    asyncio.run(bg.latency(url, payload, 0.3))  # warm-up
+    lat = asyncio.run(bg.latency(url, payload, seconds))
+    c0 = proc.cpu_s()
+    rps = asyncio.run(bg.throughput(url, payload, seconds))
+    return lat, rps, (proc.cpu_s() - c0) / max(1.0, rps * seconds) * 1000
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating runs; medians shown")
     args = ap.parse_args()
     py = sys.executable
     up = bg.Proc([py, "-c", bg.UPSTREAM, str(port := bg.free_port())], port)
@@ -156,17 +169,14 @@ def main() -> None:
         for size, n in SIZES.items():
             payload = bg.body(bg.history(n))
             for mode in ("off", "on"):
-                row = []
-                for name in (mode, f"{mode}+otel"):  # pairs back to back: the same drift
-                    proc = targets[name]
-                    url = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
-                    asyncio.run(bg.latency(url, payload, 0.5))  # warm-up
-                    lat = asyncio.run(bg.latency(url, payload, args.seconds))
-                    c0 = proc.cpu_s()
-                    rps = asyncio.run(bg.throughput(url, payload, args.seconds))
-                    row.append((lat, rps, (proc.cpu_s() - c0) / max(1.0, rps * args.seconds)
-                                * 1000))
-                (l0, r0, c0_), (l1, r1, c1) = row
+                runs: dict[str, list[tuple[float, float, float]]] = {mode: [],
+                                                                      f"{mode}+otel": []}
+                for _ in range(args.rounds):  # pairs back to back, alternating: same drift
+                    for name, got in runs.items():
+                        got.append(measure(targets[name], payload, args.seconds))
+                (l0, r0, c0_), (l1, r1, c1) = (
+                    tuple(statistics.median(x[i] for x in got) for i in range(3))
+                    for got in runs.values())
                 print(f"{size:<7} {mode:<4} | {l0:>7.3f} {l1:>7.3f} {l1 / l0:>6.2f} | "
                       f"{r0:>6.0f} {r1:>6.0f} {r1 / r0:>6.2f} | {c0_:>6.3f} {c1:>6.3f} "
                       f"{c1 / c0_:>6.2f} {c1 - c0_:>+6.3f}")
@@ -174,9 +184,9 @@ def main() -> None:
         for name in ("off+otel", "on+otel"):  # flush: the batch processor exports on stop
             targets[name].stop()
             procs.remove(targets[name])
-        got = asyncio.run(collector_stats(cport))
-        print(f"\ncollector: {got['/v1/traces'][0]} trace exports "
-              f"({got['/v1/traces'][1]} bytes), {got['/v1/metrics'][0]} metric exports")
+        seen = asyncio.run(collector_stats(cport))
+        print(f"\ncollector: {seen['/v1/traces'][0]} trace exports "
+              f"({seen['/v1/traces'][1]} bytes), {seen['/v1/metrics'][0]} metric exports")
     finally:
         for p in procs:
             p.stop()
