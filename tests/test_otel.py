@@ -466,6 +466,8 @@ async def test_otlp_http_export_reaches_a_collector(
     await gw.wait_mem(1)
     await tracing.shutdown()  # flushes both exporters (off the loop: the collector is on it)
     assert posts["/v1/traces"] and posts["/v1/metrics"]
+    for body in posts["/v1/traces"] + posts["/v1/metrics"]:  # what leaves the gateway
+        assert SECRET.encode() not in body and TEXT.encode() not in body
     req = ExportTraceServiceRequest.FromString(posts["/v1/traces"][0])
     (rs,) = req.resource_spans
     service = {kv.key: kv.value.string_value for kv in rs.resource.attributes}["service.name"]
