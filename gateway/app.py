@@ -54,6 +54,10 @@ class GatewayState:
     # each [mem] line: the console and tracing read requests here, the request path never
     # waits on them (an observer that raises is logged once per request and skipped)
     observers: list[Callable[[dict[str, Any], Any, Any], None]] = field(default_factory=list)
+    # OpenTelemetry (gateway.otel.Tracing): `tracing` once set up, `tracer` while on (None
+    # when off: all a request then pays is that test)
+    tracing: Any = None
+    tracer: Any = None
 
     @property
     def rules(self) -> Rules:
@@ -85,6 +89,34 @@ def _preload_tokenizers(state: GatewayState, rules: Rules) -> None:
 def _warn_injection(state: GatewayState, rules: Rules) -> None:
     for detail in unguarded_injection(rules):
         state.log.warning("injected_key_unguarded", detail=detail)
+
+
+def _switch_tracing(state: GatewayState, rules: Rules, env: Mapping[str, str]) -> None:
+    """Tracing on or off as `rules` say, at startup and on each reload. The SDK is set up
+    the first time it is on; while it is off nothing of OpenTelemetry is imported."""
+    on = rules.tracing.active(env)
+    if on and state.tracing is None:
+        try:
+            from . import otel  # the optional extra
+        except ImportError as exc:  # tracing: auto without it (true is refused at load)
+            state.log.warning("tracing_unavailable", error=str(exc)[:200],
+                              detail="pip install 'memgate[otel]'")
+            return
+        try:
+            state.tracing = otel.from_env(env, lambda: state.log)
+        except Exception as exc:  # noqa: BLE001 - tracing never stops the gateway
+            state.log.error("tracing_unavailable", error=type(exc).__name__,
+                            detail=str(exc)[:200])
+            return
+    tracing = state.tracing
+    if tracing is None or on == (state.tracer is not None):
+        return
+    if on:
+        state.observers.append(tracing.observe)
+    else:
+        state.observers.remove(tracing.observe)
+    state.tracer = tracing if on else None
+    state.log.info("tracing", enabled=on)
 
 
 def _session_state(
@@ -122,6 +154,7 @@ def create_app(
         state.history.resize(new.history_cache_mb << 20, new.max_tracked_sessions)
         if (old.upstreams, old.tenants) != (new.upstreams, new.tenants):
             _warn_injection(state, new)
+        _switch_tracing(state, new, env or {})
 
     reloader = Reloader(config_path, env or {}, rules, on_swap, log, watch_interval_s,
                         on_result=lambda result: state.metrics.reloads.labels(result).inc())
@@ -149,6 +182,7 @@ def create_app(
     async def resources(app: web.Application) -> AsyncIterator[None]:
         _preload_tokenizers(state, state.rules)
         _warn_injection(state, state.rules)
+        _switch_tracing(state, state.rules, env or {})
         for up in state.rules.upstreams:
             state.pool.session(up)
         watcher = asyncio.create_task(reloader.run()) if config_path else None
@@ -182,6 +216,8 @@ def create_app(
                         pass
             await state.pool.close()
             await state.sessions.close()
+            if state.tracing is not None:  # the spans of the requests above exported
+                await state.tracing.shutdown()
 
     app.cleanup_ctx.append(resources)
     app.router.add_get("/healthz", handlers.healthz)

@@ -9,7 +9,7 @@ import os
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -30,6 +30,9 @@ from .upstream import DECODED, Relayed, has_dot_segment, injected_key, relay
 from .usage import log_fields as usage_log_fields
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
+
+if TYPE_CHECKING:  # the optional extra: imported only while tracing is on
+    from .otel import RequestSpan
 
 _RID = re.compile(r"[^A-Za-z0-9._-]")
 # a history with more uncounted text than this is token-counted for the [mem] line on the
@@ -194,6 +197,8 @@ def intercept(wire: Wire) -> Handler:
         t0 = time.perf_counter()
         rid = _RID.sub("", request.headers.get("X-Request-Id", ""))[:64] or os.urandom(8).hex()
         info = Relayed()
+        # this request's span while tracing is on (gateway.otel): ended after the [mem] line
+        span = state.tracer.start(request, info, wire) if state.tracer is not None else None
         d: Decision | None = None
         overhead_ms = 0.0
         # None: no usable credential (and no anonymous tenant), so no memory at all
@@ -217,6 +222,7 @@ def intercept(wire: Wire) -> Handler:
                     deferred = True
                     overhead_ms = (time.perf_counter() - t0) * 1000
                     return await relay(request, state.pool, up, raw, info,
+                                       span.upstream(request, up) if span else None,
                                        credential_headers=rules.tenants.credential_headers,
                                        stream_ends=wire.stream_ends, usage_wire=wire.name)
                 d, session = _decide(state, request, rules, wire, raw, tenant)
@@ -236,6 +242,7 @@ def intercept(wire: Wire) -> Handler:
                 measuring = asyncio.ensure_future(
                     _measure(state, request, tenant, session, wire, d, rid, recall_failed))
                 return await relay(request, state.pool, up, d.forward, info,
+                                   span.upstream(request, up) if span else None,
                                    credential_headers=rules.tenants.credential_headers,
                                    stream_ends=wire.stream_ends,
                                    original=_fallback_body(rules, d), usage_wire=wire.name)
@@ -255,6 +262,8 @@ def intercept(wire: Wire) -> Handler:
                     d = None
             account = _account(state, request, tenant, session, wire, d, info,
                                overhead_ms, rid, measuring)
+            if span is not None:
+                account = span.after(account)
             if measuring is not None:  # what is left to await is the measuring
                 inline = measuring.done()
             else:  # measured here: with shared state or a big count it awaits
@@ -549,12 +558,27 @@ def _stable(forwarded: tuple[int, ...], d: Decision) -> tuple[int, ...]:
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
-    """Every other route: relayed as is, no [mem] line; a body with a Content-Length is
-    streamed through, a chunked one is read (up to limits.max_body_bytes) first."""
+    """Every other route: relayed as is, no [mem] line (an HTTP span while tracing is on)."""
     state: GatewayState = request.app[STATE]
+    info = Relayed()
+    if state.tracer is None:
+        return await _relay_as_is(request, state, info, None)
+    span = state.tracer.start(request, info, None)
+    status = 499  # the client left before its answer
+    try:
+        resp = await _relay_as_is(request, state, info, span)
+        status = resp.status
+        return resp
+    finally:
+        span.close(status)
+
+
+async def _relay_as_is(request: web.Request, state: GatewayState, info: Relayed,
+                       span: RequestSpan | None) -> web.StreamResponse:
+    """A body with a Content-Length is streamed through, a chunked one is read (up to
+    limits.max_body_bytes) first."""
     rules = state.rules
     flavor = flavor_for(request.path)
-    info = Relayed()
     up = rules.upstream_for(request.path, None)
     try:
         _admit(rules, up, request)
@@ -581,6 +605,8 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
             body = await read_body(request, rules.max_body_bytes, decode=False)
         except GatewayError as err:
             return error_response(err, flavor)
+    if span is not None:
+        extra = {**(extra or {}), **span.upstream(request, up)}
     try:
         return await relay(request, state.pool, up, body, info, extra,
                            rules.tenants.credential_headers)

@@ -9,6 +9,7 @@ effect. Precedence: CLI flags > environment (`MEMGATE_*`) > file > defaults.
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -145,6 +146,28 @@ class TenantRules:
     allow_any_client: bool = False  # an injected key serves any caller: explicit opt-out
 
 
+# what makes `tracing.enabled: auto` switch tracing on: the standard variables naming an
+# OTLP endpoint or an exporter (OTEL_TRACES_EXPORTER=none does not)
+OTEL_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+@dataclass(frozen=True, slots=True)
+class TracingRules:
+    """OpenTelemetry traces and GenAI metrics (the `otel` extra, gateway/otel.py)."""
+
+    enabled: bool | Literal["auto"] = False
+
+    def active(self, env: Mapping[str, str]) -> bool:
+        """On as configured; `auto`: on when the environment names where to export.
+        OTEL_SDK_DISABLED=true switches it off either way."""
+        if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+            return False
+        if self.enabled != "auto":
+            return self.enabled
+        exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+        return any(env.get(v) for v in OTEL_ENDPOINT_VARS) or exporter not in ("", "none")
+
+
 @dataclass(frozen=True, slots=True)
 class Rules:
     memory: Memory = field(default_factory=Memory)
@@ -167,6 +190,7 @@ class Rules:
     store: StoreRules = field(default_factory=StoreRules)
     state: StateRules = field(default_factory=StateRules)
     tenants: TenantRules = field(default_factory=TenantRules)
+    tracing: TracingRules = field(default_factory=TracingRules)
     models: tuple[ModelInfo, ...] = ()
     default_encoding: str = "cl100k_base"
     default_context_window: int = 8192
@@ -240,7 +264,7 @@ def _line_map(root: yaml.Node) -> _Lines:
 # block pasted at the wrong level, as the seeds list their parameters).
 SECTIONS: dict[str, frozenset[str]] = {
     "": frozenset({"memory", "upstreams", "listen", "logging", "limits", "session", "tokens",
-                   "capture", "store", "state", "tenants"}),
+                   "capture", "store", "state", "tenants", "tracing"}),
     "memory": frozenset({"enable_eviction", "shadow", "budget", "eviction", "markers", "carry",
                          "write", "fallback_original"}),
     "memory.budget": frozenset({"max_tokens", "max_chars", "max_messages", "max_turns",
@@ -271,6 +295,7 @@ SECTIONS: dict[str, frozenset[str]] = {
                         "read_timeout_s", "retry_after_s"}),
     "tenants": frozenset({"credential_headers", "anonymous", "client_keys_sha256",
                           "allow_any_client"}),
+    "tracing": frozenset({"enabled"}),
 }
 MODEL_SECTIONS: dict[str, frozenset[str]] = {  # the models file (tokens.models_file)
     "": frozenset({"models", "default"}),
@@ -621,6 +646,27 @@ def _parse_tenants(r: _Reader, data: Any) -> TenantRules:
     )
 
 
+def _tracing_enabled(v: Any) -> bool | Literal["auto"]:
+    if v != "auto" and not isinstance(v, bool):
+        raise ValueError(f"must be true, false or auto, got {v!r}")
+    if v is True and not _otel_installed():  # auto stays off without it (said at startup)
+        raise ValueError("tracing needs the otel extra: pip install 'memgate[otel]'")
+    return v  # type: ignore[no-any-return]
+
+
+def _otel_installed() -> bool:
+    try:
+        return importlib.util.find_spec("opentelemetry.sdk") is not None
+    except ModuleNotFoundError:  # no opentelemetry package at all
+        return False
+
+
+def _parse_tracing(r: _Reader, data: Any) -> TracingRules:
+    t = r.section(data, "tracing")
+    return TracingRules(enabled=r.get(t, "tracing", "enabled", _tracing_enabled,
+                                      TracingRules().enabled))
+
+
 def _parse_upstreams(r: _Reader, data: Any) -> tuple[Upstream, ...]:
     if data is None:
         return Rules().upstreams
@@ -786,6 +832,7 @@ def build_rules(
         store=store,
         state=state,
         tenants=_parse_tenants(r, top.get("tenants")),
+        tracing=_parse_tracing(r, top.get("tracing")),
         models=models,
         default_encoding=default_encoding,
         default_context_window=default_window,
