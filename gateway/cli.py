@@ -16,6 +16,7 @@ import orjson
 import yaml
 
 from . import logging as mglog
+from .capture import SIDES
 from .errors import GatewayError, RulesError
 from .rules import Rules, describe, load_rules
 
@@ -119,6 +120,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
+    from .capture import describe_side, is_capture, unwrap, wire_named
     from .chat import decide
     from .conversation import is_active
     from .tokens import Tokenizers
@@ -133,7 +135,14 @@ def cmd_evict(args: argparse.Namespace) -> int:
         print(f"memgate evict: {args.payload}: not JSON: {exc}", file=sys.stderr)
         return 2
     tokenizers = Tokenizers(rules.token_cache_size)
-    wire = WIRES[args.api] if args.api else sniff(payload, Path(args.payload).name)
+    captured = None
+    if is_capture(payload):
+        raw, payload, api = unwrap(raw, payload, args.side)
+        captured = wire_named(api)
+        print(describe_side(args.payload, args.side, api),
+              file=sys.stderr if args.json else sys.stdout)
+    wire = (WIRES[args.api] if args.api else captured
+            or sniff(payload, Path(args.payload).name))
     try:
         d = decide(raw, payload, rules, tokenizers, wire)
     except GatewayError as exc:
@@ -219,7 +228,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     rules = _load_or_exit(default_config(args.config, env), env)
     report = stats.measure(args.paths, rules, simulate=args.config is not None,
-                           progress=sys.stderr if sys.stderr.isatty() else None)
+                           progress=sys.stderr if sys.stderr.isatty() else None,
+                           side=args.side)
     summary = stats.summary(report)
     if args.json:
         summary["skipped_detail"] = report.skipped[:100]
@@ -229,7 +239,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         for why in report.skipped[:10]:
             print(f"skipped: {why}", file=sys.stderr)
     if args.plot:
-        error = stats.plot(report, args.plot, report.budget_tokens)
+        source = " ".join(args.paths) + f"  ({stats.describe_sources(summary['sources'])})"
+        error = stats.plot(report, args.plot, report.budget_tokens, source, log=args.log)
         if error:
             print(f"memgate stats: {error}", file=sys.stderr)
             return 2
@@ -378,17 +389,27 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_check_config)
 
     e = sub.add_parser("evict", help="explain what the gateway would drop from a payload")
-    e.add_argument("payload", help="chat request body (JSON file, or - for stdin)")
+    e.add_argument("payload", help="request body or capture file (JSON, or - for stdin)")
     e.add_argument("--config", default=None)
     e.add_argument("--json", action="store_true", help="print the exact body it would forward")
     e.add_argument("--api", choices=["chat", "messages", "responses"], default=None,
-                   help="the payload's API (default: from the file name prefix, else its shape)")
+                   help="the payload's API (default: a capture's api, else the file name "
+                        "prefix, else its shape)")
+    e.add_argument("--side", choices=SIDES, default="before",
+                   help="a capture file: explain what the client sent (before, the default) "
+                        "or what the gateway forwarded (after)")
     e.set_defaults(func=cmd_evict)
     st = sub.add_parser("stats", help="measure saved payloads / [mem] logs (and a policy)")
-    st.add_argument("paths", nargs="+", help="JSON/JSONL files, log files, directories, or -")
+    st.add_argument("paths", nargs="+", help="payload / capture JSON files, JSONL, [mem] log "
+                    "files (docker/kubectl prefixes welcome), directories, or -")
     st.add_argument("--config", default=None, help="also simulate this config's policy")
     st.add_argument("--json", action="store_true")
-    st.add_argument("--plot", default=None, help="write a tokens histogram PNG (matplotlib)")
+    st.add_argument("--plot", default=None, metavar="PNG",
+                    help="write a tokens histogram PNG: p50/p90/p99, the budget (matplotlib)")
+    st.add_argument("--log", action="store_true", help="--plot with a log-scaled tokens axis")
+    st.add_argument("--side", choices=SIDES, default="before",
+                    help="capture files: measure what the client sent (before, the default) "
+                         "or what the gateway forwarded (after)")
     st.set_defaults(func=cmd_stats)
     mem = sub.add_parser("memory", help="write / search / get memory records")
     mem.add_argument("--config", default=None)
@@ -412,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("replay", help="replay conversations: ab")
     rsub = rp.add_subparsers(dest="replay_command", required=True)
     ab = rsub.add_parser("ab", help="A (no eviction) vs B (a policy) on one long conversation")
-    ab.add_argument("conversation", help="chat payload JSON (the long history)")
+    ab.add_argument("conversation", help="chat payload JSON (the long history), or a capture "
+                                         "file (its --side)")
     ab.add_argument("--probes", required=True, help="YAML list of probe questions")
     ab.add_argument("--upstream", required=True, help="OpenAI-compatible base URL to ask")
     ab.add_argument("--config", default=None, help="the policy for B (default rules)")
@@ -422,6 +444,11 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--out", default="replay-report", help="directory for report.md/.html")
     ab.add_argument("--as-configured", action="store_true",
                     help="B forwards as the config stands (kill switch included): checks a rollback")
+    ab.add_argument("--concurrency", type=int, default=4,
+                    help="upstream calls in flight at once (4); each call is a progress line")
+    ab.add_argument("--side", choices=SIDES, default="before",
+                    help="a capture file: replay what the client sent (before, the default) or "
+                         "what the gateway forwarded (after)")
     ab.set_defaults(func=cmd_replay_ab)
     ex = rsub.add_parser("expect", help="per-turn replay of a session against expectations")
     ex.add_argument("session", help="JSONL: {turn, role, text} per line")
