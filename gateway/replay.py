@@ -91,6 +91,7 @@ class Meta:
     repeat: int
     concurrency: int
     side: str | None = None  # a capture file: the side replayed
+    as_configured: bool = False
     budget_tokens: int | None = None
     dropped: list[tuple[str, int, int, int]] = field(default_factory=list)  # probe, msgs, A, B
 
@@ -98,7 +99,9 @@ class Meta:
         rows = [("conversation", self.conversation + (
                     f" (a capture: `{self.side}`, {SIDE_MEANS[self.side]})" if self.side else "")),
                 ("upstream", self.upstream), ("model", self.model or "-"),
-                ("config (B's policy)", self.config or "built-in defaults"),
+                ("config (B's policy)", (self.config or "built-in defaults") + (
+                    " as configured (kill switch included)" if self.as_configured
+                    else ", eviction on")),
                 ("budget_tokens", str(self.budget_tokens)),
                 ("runs", f"{self.repeat} per probe and side, {self.concurrency} at a time, "
                          "temperature 0, seed 7")]
@@ -336,7 +339,8 @@ def main(args: Any, rules: Rules) -> int:
         raise ValueError(f"--concurrency must be at least 1, got {concurrency}")
     meta = Meta(conversation=str(args.conversation), upstream=shown_url(args.upstream),
                 model=str(conversation.get("model") or ""), config=rules.source or "",
-                repeat=args.repeat, concurrency=concurrency, side=captured)
+                repeat=args.repeat, concurrency=concurrency, side=captured,
+                as_configured=args.as_configured)
     results = asyncio.run(run_ab(conversation, probes, args.upstream, rules, args.repeat,
                                  args.api_key or "", sys.stderr,
                                  as_configured=args.as_configured, concurrency=concurrency,
