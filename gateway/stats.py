@@ -321,6 +321,9 @@ def plot(report: Report, path: str, budget: int | None, source: str = "",
     """Histogram of tokens per request: title with N and the source, p50/p90/p99 and the
     budget as labelled lines; `log` for a log-scaled x axis (long tails). An error text
     when it cannot be drawn."""
+    tokens = [x.tokens for x in report.samples]
+    if not tokens:
+        return "--plot: no request was measured, nothing to draw"
     try:
         import matplotlib
 
@@ -329,34 +332,40 @@ def plot(report: Report, path: str, budget: int | None, source: str = "",
     except ImportError:
         return ("--plot needs matplotlib: pip install 'memgate[plot]' "
                 "(or pip install matplotlib)")
-    tokens = [x.tokens for x in report.samples]
-    if not tokens:
-        return "--plot: no request was measured, nothing to draw"
-    fig, ax = plt.subplots(figsize=(10, 5.5), dpi=110)
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(11, 5.5), dpi=110)
     lo, hi = max(1, min(tokens)), max(max(tokens), budget or 0, 2)
     if log:
-        edges = [lo * (hi * 1.05 / lo) ** (i / 40) for i in range(41)]
+        edges = [lo * 0.95 * (hi * 1.05 / (lo * 0.95)) ** (i / 50) for i in range(51)]
         ax.set_xscale("log")
     else:
-        edges = [hi * 1.05 * i / 40 for i in range(41)]
+        edges = [hi * 1.05 * i / 50 for i in range(51)]
     ax.hist(tokens, bins=edges, color="#4c78a8", edgecolor="white", label="requests")
-    marks = [("p50", percentile(tokens, 50), "#2a9d3f", ":"),
-             ("p90", percentile(tokens, 90), "#e08a00", "-."),
-             ("p99", percentile(tokens, 99), "#7b3fa0", (0, (5, 2)))]
-    for name, value, color, style in marks:
-        ax.axvline(value, color=color, linestyle=style, linewidth=1.6,
-                   label=f"{name} {value:,}")
+    marks: dict[int, list[str]] = {}
+    for q in (50, 90, 99):  # equal percentiles share one line and one legend entry
+        marks.setdefault(percentile(tokens, q), []).append(f"p{q}")
+    styles = iter([("#2a9d3f", ":"), ("#e08a00", "-."), ("#7b3fa0", (0, (5, 2)))])
+    for value, names in marks.items():
+        color, style = next(styles)
+        ax.axvline(value, color=color, linestyle=style, linewidth=1.8,
+                   label=f"{' = '.join(names)}: {value:,}")
     if budget:
-        ax.axvline(budget, color="#c0392b", linestyle="--", linewidth=2.2,
-                   label=f"budget {budget:,}")
+        ax.axvline(budget, color="#c0392b", linestyle="--", linewidth=2.4,
+                   label=f"budget: {budget:,}")
     ax.set_title(f"memgate stats: estimated tokens per request (N={len(tokens):,})",
                  fontsize=13)
     if source:
         fig.text(0.01, 0.01, f"source: {source}"[:160], fontsize=8, color="#555")
     ax.set_xlabel("estimated tokens per request" + (" (log scale)" if log else ""))
     ax.set_ylabel("requests")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    thousands = FuncFormatter(lambda v, _pos: f"{v:,.0f}")
+    ax.xaxis.set_major_formatter(thousands)
+    if log:
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda _v, _pos: ""))
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="upper right", framealpha=0.9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.9)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path)
     plt.close(fig)
