@@ -398,6 +398,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         return 2
 
     async def run() -> int:
+        out: Any
         if args.url:
             code, out = await _memory_http(args, key, rules.store.search_top_k)
             if code:
@@ -412,7 +413,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
             if cmd == "write":
                 rec = build_record(_memory_body(args), tenant, rules.store)
                 await store.write([rec], exists_ok=False)  # an id held already: exit 2
-                out: Any = {"memory_id": rec.memory_id, "truncated": rec.truncated}
+                out = {"memory_id": rec.memory_id, "truncated": rec.truncated}
             elif cmd == "search":
                 body = _search_body(args, rules.store.search_top_k)
                 results = await store.search(build_filter(body, tenant, rules.store))
@@ -424,12 +425,12 @@ def cmd_memory(args: argparse.Namespace) -> int:
                     return 1
                 out = {"deleted": True}
             else:
-                rec = await store.get(tenant, args.memory_id)
-                if rec is None:
+                got = await store.get(tenant, args.memory_id)
+                if got is None:
                     print(f"memgate memory get: no memory {args.memory_id!r} for this key",
                           file=sys.stderr)
                     return 1
-                out = rec.public()
+                out = got.public()
         finally:
             await store.close()
         print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
