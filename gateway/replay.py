@@ -112,6 +112,14 @@ class Meta:
         return rows
 
 
+def chat_url(upstream: str) -> str:
+    """The chat completions URL under `upstream`, its query (an api-version, say) kept."""
+    from yarl import URL
+
+    u = URL(upstream)
+    return str(u.with_path(u.path.rstrip("/") + "/v1/chat/completions").with_query(u.query))
+
+
 def shown_url(url: str) -> str:
     """The upstream as the report shows it: no user:password, no query (a key may sit there)."""
     from yarl import URL
@@ -155,7 +163,7 @@ async def run_ab(
     on = rules if as_configured else replace(rules, memory=replace(rules.memory,
                                                                    enable_eviction=True))
     tok = Tokenizers(rules.token_cache_size)
-    url = upstream.rstrip("/") + "/v1/chat/completions"
+    url = chat_url(upstream)
     params = {"temperature": 0, "seed": 7}
     history = chat_messages(conversation, "the conversation")
     gate = asyncio.Semaphore(max(1, concurrency))

@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 
 from gateway.chat import decide
-from gateway.replay import load_probes, shown_url, word_diff
+from gateway.replay import chat_url, load_probes, shown_url, word_diff
 from gateway.rules import load_rules
 from gateway.tokens import Tokenizers
 
@@ -94,5 +94,8 @@ def test_word_diff_rebuilds_both_sides() -> None:
 
 def test_report_shows_no_credentials_of_the_upstream_url() -> None:
     """user:password and a query (where a key may sit) never reach the report."""
+    assert chat_url("https://h.example/openai/?api-version=1") == (
+        "https://h.example/openai/v1/chat/completions?api-version=1")
+    assert chat_url("http://127.0.0.1:8080") == "http://127.0.0.1:8080/v1/chat/completions"
     shown = shown_url("https://user:pw-SECRET@api.example.com/v1?api_key=k-SECRET#x")
     assert shown == "https://api.example.com/v1" and "SECRET" not in shown

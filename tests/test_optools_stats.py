@@ -117,8 +117,8 @@ def test_other_lines_are_not_mem_lines() -> None:
 async def test_plot_is_drawn_with_its_markers(tmp_path: Path) -> None:
     """--plot writes a PNG (log axis too); without samples it says why, exit code 2."""
     png = tmp_path / "tokens.png"
-    code, out, err = await cli("stats", "samples", "--config", "rules/gateway.yaml",
-                               "--plot", str(png), "--log")
+    code, out, err = await cli("stats", "samples/chat_long_tools.json", "--config",
+                               "rules/gateway.yaml", "--plot", str(png), "--log")
     assert code == 0, err
     report = stats.measure(["samples"], RULES, simulate=False)
     assert stats.plot(report, str(tmp_path / "linear.png"), 6000, "samples") is None
