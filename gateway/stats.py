@@ -1,7 +1,10 @@
 """`memgate stats`: measure saved payloads and [mem] logs before changing behaviour.
 
-Inputs: JSON payload files, JSONL (payloads or JSON [mem] log lines), console
-[mem] log lines, directories of those, or `-` for stdin. Reports the
+Inputs: JSON payload files, capture files (measured on one side, `before` by
+default), JSONL (payloads or JSON [mem] log lines), console [mem] log lines,
+directories of those, or `-` for stdin. Log lines may carry the prefixes log
+pipelines add (docker compose, kubectl --timestamps); lines that are no request
+(startup, reloads, errors) are counted apart, never as skipped. Reports the
 distribution of messages / characters / estimated tokens per request, the
 per-session picture (how much of the volume the longest 10% of sessions
 carry) and, with `--config`, what that policy would drop.
