@@ -82,3 +82,49 @@ def record(mem: dict[str, Any], api: str, raw: bytes, parsed_ok: bool, forward: 
         "before": orjson.Fragment(raw) if parsed_ok else raw.decode("utf-8", "replace"),
         "after": orjson.Fragment(forward) if parsed_ok else forward.decode("utf-8", "replace"),
     }
+
+
+SIDES = ("before", "after")
+_CAPTURE_KEYS = frozenset(("mem", "api", "before", "after"))
+SIDE_MEANS = {"before": "what the client sent", "after": "what the gateway forwarded"}
+
+
+def is_capture(rec: Any) -> bool:
+    """A file this module wrote: {mem, api, before, after}, not a request body."""
+    return (isinstance(rec, dict) and _CAPTURE_KEYS <= rec.keys()
+            and "messages" not in rec and "input" not in rec)
+
+
+def unwrap(raw: bytes, rec: dict[str, Any], side: str = "before") -> tuple[bytes, Any, str]:
+    """(body bytes, parsed body, api) of one side of a capture.
+
+    The bytes are the captured ones, cut out of the file rather than re-serialised
+    (big integers, escapes and key order as the client sent them); a side that was
+    not JSON when captured (stored as text) parses to None, as the gateway saw it."""
+    from .jsonbytes import value_span, ws
+
+    value = rec[side]
+    api = str(rec.get("api") or "")
+    if isinstance(value, str):
+        body = value.encode("utf-8")
+        try:
+            return body, orjson.loads(body), api
+        except orjson.JSONDecodeError:
+            return body, None, api
+    try:
+        start, end = value_span(raw, ws(raw, 0), rec, [side])
+        return raw[start:end], value, api
+    except (ValueError, IndexError):  # not the bytes of `rec`: its serialisation
+        return orjson.dumps(value), value, api
+
+
+def describe_side(where: str, side: str, api: str) -> str:
+    """The line a tool prints when it read a capture: which side of which file."""
+    return f"{where}: a capture ({api or 'api unknown'}); using `{side}` ({SIDE_MEANS[side]})"
+
+
+def wire_named(api: str) -> Any:
+    """The Wire a capture's `api` names (a wire's `name`), or None."""
+    from .wire import WIRES
+
+    return next((w for w in WIRES.values() if w.name == api), None)

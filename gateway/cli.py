@@ -16,6 +16,7 @@ import orjson
 import yaml
 
 from . import logging as mglog
+from .capture import SIDES
 from .errors import GatewayError, RulesError
 from .rules import Rules, describe, load_rules
 
@@ -119,6 +120,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
+    from .capture import describe_side, is_capture, unwrap, wire_named
     from .chat import decide
     from .conversation import is_active
     from .tokens import Tokenizers
@@ -133,7 +135,14 @@ def cmd_evict(args: argparse.Namespace) -> int:
         print(f"memgate evict: {args.payload}: not JSON: {exc}", file=sys.stderr)
         return 2
     tokenizers = Tokenizers(rules.token_cache_size)
-    wire = WIRES[args.api] if args.api else sniff(payload, Path(args.payload).name)
+    captured = None
+    if is_capture(payload):
+        raw, payload, api = unwrap(raw, payload, args.side)
+        captured = wire_named(api)
+        print(describe_side(args.payload, args.side, api),
+              file=sys.stderr if args.json else sys.stdout)
+    wire = (WIRES[args.api] if args.api else captured
+            or sniff(payload, Path(args.payload).name))
     try:
         d = decide(raw, payload, rules, tokenizers, wire)
     except GatewayError as exc:
@@ -219,7 +228,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     rules = _load_or_exit(default_config(args.config, env), env)
     report = stats.measure(args.paths, rules, simulate=args.config is not None,
-                           progress=sys.stderr if sys.stderr.isatty() else None)
+                           progress=sys.stderr if sys.stderr.isatty() else None,
+                           side=args.side)
     summary = stats.summary(report)
     if args.json:
         summary["skipped_detail"] = report.skipped[:100]
@@ -229,7 +239,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         for why in report.skipped[:10]:
             print(f"skipped: {why}", file=sys.stderr)
     if args.plot:
-        error = stats.plot(report, args.plot, report.budget_tokens)
+        source = " ".join(args.paths) + f"  ({stats.describe_sources(summary['sources'])})"
+        error = stats.plot(report, args.plot, report.budget_tokens, source, log=args.log)
         if error:
             print(f"memgate stats: {error}", file=sys.stderr)
             return 2
@@ -287,43 +298,139 @@ def aiohttp_errors() -> type[Exception]:
 # --------------------------------------------------------------------------- memory
 
 
+MEMORY_EPILOG = """\
+record fields (POST /v1/memories takes the same JSON):
+  every kind     session_id (required), agent_id, tags, memory_id (generated when absent)
+  turn           ts (required, ISO 8601 with a timezone) and user_text / assistant_text,
+                 or one message as role (user|assistant|system|tool) + text; turn_id
+  message        ts, text (required), role, message_id, turn_id
+  session        start_ts, end_ts, summary (required), raw_messages_ref
+  memory_type    turn | message | session (default: store.write_granularity)
+
+examples:
+  memgate memory write '{"memory_type": "turn", "session_id": "s1", "agent_id": "a1",
+      "ts": "2026-11-29T10:00:00Z", "role": "user", "text": "budget is 100k"}'
+  memgate memory search --session-id s1 --agent-id a1 --query budget
+  memgate memory search --url http://127.0.0.1:8080 --cross-session --query budget
+  memgate memory delete 5b1f0c...   # one record of this key's tenant
+
+Without --url the store of the config is opened directly; with --url the gateway's HTTP
+memory API is asked. Search results are the same either way: every record field plus
+score, the share (0..1) of the query's distinct terms the record contains (1 = all of
+them; no query: 0), best first, ties in BM25 order (SQLite) / ts_rank (PostgreSQL).
+The tenant is the hash of --api-key / $OPENAI_API_KEY: another key's records are never
+seen, changed or deleted."""
+
+
+def _search_body(args: argparse.Namespace, default_top_k: int) -> dict[str, Any]:
+    """The POST /v1/memories/search body the search flags describe."""
+    flt: dict[str, Any] = orjson.loads(args.filter) if args.filter else {}
+    if not isinstance(flt, dict):
+        raise ValueError("--filter: must be a JSON object")
+    for key in ("agent_id", "session_id", "time_from", "time_to", "memory_type"):
+        if getattr(args, key, None) is not None:
+            flt[key] = getattr(args, key)
+    if args.tag:
+        flt["tags"] = args.tag
+    body: dict[str, Any] = {"filter": flt, "query": args.query or "",
+                            "top_k": args.top_k or default_top_k}
+    if args.cross_session:
+        body["scope"] = "cross_session"
+    return body
+
+
+def _memory_body(args: argparse.Namespace) -> Any:
+    if args.memory_command == "write":
+        return orjson.loads(sys.stdin.buffer.read() if args.json == "-" else args.json)
+    return None
+
+
+async def _memory_http(args: argparse.Namespace, key: str, default_top_k: int) -> tuple[
+        int, Any]:
+    """(exit code, output) of one call to a running gateway's memory API."""
+    import aiohttp
+    from yarl import URL
+
+    base = args.url.rstrip("/") + "/v1/memories"
+    cmd = args.memory_command
+    if cmd == "write":
+        method, url, body = "POST", base, _memory_body(args)
+    elif cmd == "search":
+        method, url, body = "POST", base + "/search", _search_body(args, default_top_k)
+    else:
+        method, url, body = ("GET" if cmd == "get" else "DELETE",
+                             str(URL(base) / args.memory_id), None)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as http, http.request(
+            method, url, headers=headers, data=None if body is None else orjson.dumps(body),
+    ) as r:
+        raw = await r.read()
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            data = {"error": {"message": raw[:200].decode("utf-8", "replace")}}
+        if r.status >= 400:
+            msg = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
+            print(f"memgate memory {cmd}: the gateway answered {r.status}: {msg}",
+                  file=sys.stderr)
+            return (1 if r.status == 404 else 2), None
+    return 0, data["results"] if cmd == "search" else data
+
+
 def cmd_memory(args: argparse.Namespace) -> int:
-    """memgate memory write|search|get: the store the gateway uses, from the shell."""
+    """memgate memory write|search|get|delete: the store the gateway uses, from the shell
+    (or, with --url, a running gateway's HTTP memory API)."""
     from .session import tenant_of
     from .store import StoreError, build_filter, build_record, make_store
 
+    for common in ("config", "api_key", "url"):  # given before or after the subcommand
+        setattr(args, common, getattr(args, common, None))
     env = dict(os.environ)
     rules = _load_or_exit(default_config(args.config, env), env)
     key = args.api_key or env.get("OPENAI_API_KEY", "")
     tenant = tenant_of({"Authorization": f"Bearer {key}"}, rules.tenants)
-    if tenant is None:
+    if tenant is None and not args.url:
         print("memgate memory: whose records? give --api-key or $OPENAI_API_KEY "
               "(or map keyless callers with tenants.anonymous)", file=sys.stderr)
         return 2
 
     async def run() -> int:
+        out: Any
+        if args.url:
+            code, out = await _memory_http(args, key, rules.store.search_top_k)
+            if code:
+                return code
+            print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
+            return 0
+        assert tenant is not None
         store = make_store(rules.store, env)
         await store.open()
         try:
-            if args.memory_command == "write":
-                body = orjson.loads(sys.stdin.buffer.read() if args.json == "-" else args.json)
-                rec = build_record(body, tenant, rules.store)
+            cmd = args.memory_command
+            if cmd == "write":
+                rec = build_record(_memory_body(args), tenant, rules.store)
                 await store.write([rec], exists_ok=False)  # an id held already: exit 2
-                out: Any = {"memory_id": rec.memory_id, "truncated": rec.truncated}
-            elif args.memory_command == "search":
-                body = {"filter": orjson.loads(args.filter) if args.filter else {},
-                        "query": args.query or "", "top_k": args.top_k or rules.store.search_top_k}
-                if args.cross_session:
-                    body["scope"] = "cross_session"
+                out = {"memory_id": rec.memory_id, "truncated": rec.truncated}
+            elif cmd == "search":
+                body = _search_body(args, rules.store.search_top_k)
                 results = await store.search(build_filter(body, tenant, rules.store))
                 out = [r.public(score) for r, score in results]
+            elif cmd == "delete":
+                if not await store.delete(tenant, args.memory_id):
+                    print(f"memgate memory delete: no memory {args.memory_id!r} for this key",
+                          file=sys.stderr)
+                    return 1
+                out = {"deleted": True}
             else:
-                rec = await store.get(tenant, args.memory_id)
-                if rec is None:
+                got = await store.get(tenant, args.memory_id)
+                if got is None:
                     print(f"memgate memory get: no memory {args.memory_id!r} for this key",
                           file=sys.stderr)
                     return 1
-                out = rec.public()
+                out = got.public()
         finally:
             await store.close()
         print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
@@ -331,9 +438,59 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     try:
         return run_async(run)
-    except (StoreError, orjson.JSONDecodeError) as exc:
+    except (StoreError, orjson.JSONDecodeError, ValueError) as exc:
         print(f"memgate memory: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 2
+    except (OSError, aiohttp_errors()) as exc:
+        print(f"memgate memory: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _memory_parser(sub: Any) -> None:
+    """`memory` and its subcommands; the common flags work before and after the subcommand
+    (a flag given after it wins)."""
+    common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    common.add_argument("--config", help="YAML config whose store to open (no --url)")
+    common.add_argument("--api-key", help="whose records (default $OPENAI_API_KEY)")
+    common.add_argument("--url", help="a running gateway's base URL: use its HTTP memory API "
+                                      "instead of opening the store")
+    fmt = argparse.RawDescriptionHelpFormatter
+    mem = sub.add_parser("memory", help="write / search / get / delete memory records",
+                         parents=[common], epilog=MEMORY_EPILOG, formatter_class=fmt)
+    # no set_defaults for the common flags: it would change the actions the subcommands
+    # share, and a default set after the subcommand would undo a flag given before it
+    mem.set_defaults(func=cmd_memory)
+    msub = mem.add_subparsers(dest="memory_command", required=True)
+
+    def add(name: str, text: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = msub.add_parser(
+            name, help=text, description=text, parents=[common], epilog=MEMORY_EPILOG,
+            formatter_class=fmt)
+        return parser
+
+    mw = add("write", "write one record (JSON as for POST /v1/memories)")
+    mw.add_argument("json", help="the record as JSON, or - for stdin (fields: see below)")
+    ms = add("search", "search (as POST /v1/memories/search)")
+    ms.add_argument("--filter", default=None, help='JSON, e.g. {"session_id": "s1"}; the '
+                                                   "flags below are merged into it")
+    ms.add_argument("--session-id", dest="session_id", default=None,
+                    help="required unless --cross-session")
+    ms.add_argument("--agent-id", dest="agent_id", default=None)
+    ms.add_argument("--time-from", dest="time_from", default=None,
+                    help="ISO 8601 with a timezone, e.g. 2026-11-29T00:00:00Z")
+    ms.add_argument("--time-to", dest="time_to", default=None)
+    ms.add_argument("--tag", action="append", default=None,
+                    help="a record must carry one of the --tag values (repeatable)")
+    ms.add_argument("--memory-type", dest="memory_type", default=None,
+                    choices=["turn", "message", "session"])
+    ms.add_argument("--query", default=None, help="full-text query (ranks the results)")
+    ms.add_argument("--top-k", type=int, default=None, help="1..100 (store.search_top_k)")
+    ms.add_argument("--cross-session", action="store_true",
+                    help="search every session of this key's tenant")
+    mg = add("get", "one record by memory_id")
+    mg.add_argument("memory_id")
+    md = add("delete", "delete one record by memory_id (this key's tenant only)")
+    md.add_argument("memory_id")
 
 
 # --------------------------------------------------------------------------- main
@@ -378,32 +535,29 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_check_config)
 
     e = sub.add_parser("evict", help="explain what the gateway would drop from a payload")
-    e.add_argument("payload", help="chat request body (JSON file, or - for stdin)")
+    e.add_argument("payload", help="request body or capture file (JSON, or - for stdin)")
     e.add_argument("--config", default=None)
     e.add_argument("--json", action="store_true", help="print the exact body it would forward")
     e.add_argument("--api", choices=["chat", "messages", "responses"], default=None,
-                   help="the payload's API (default: from the file name prefix, else its shape)")
+                   help="the payload's API (default: a capture's api, else the file name "
+                        "prefix, else its shape)")
+    e.add_argument("--side", choices=SIDES, default="before",
+                   help="a capture file: explain what the client sent (before, the default) "
+                        "or what the gateway forwarded (after)")
     e.set_defaults(func=cmd_evict)
     st = sub.add_parser("stats", help="measure saved payloads / [mem] logs (and a policy)")
-    st.add_argument("paths", nargs="+", help="JSON/JSONL files, log files, directories, or -")
+    st.add_argument("paths", nargs="+", help="payload / capture JSON files, JSONL, [mem] log "
+                    "files (docker/kubectl prefixes welcome), directories, or -")
     st.add_argument("--config", default=None, help="also simulate this config's policy")
     st.add_argument("--json", action="store_true")
-    st.add_argument("--plot", default=None, help="write a tokens histogram PNG (matplotlib)")
+    st.add_argument("--plot", default=None, metavar="PNG",
+                    help="write a tokens histogram PNG: p50/p90/p99, the budget (matplotlib)")
+    st.add_argument("--log", action="store_true", help="--plot with a log-scaled tokens axis")
+    st.add_argument("--side", choices=SIDES, default="before",
+                    help="capture files: measure what the client sent (before, the default) "
+                         "or what the gateway forwarded (after)")
     st.set_defaults(func=cmd_stats)
-    mem = sub.add_parser("memory", help="write / search / get memory records")
-    mem.add_argument("--config", default=None)
-    mem.add_argument("--api-key", default=None, help="whose records (default $OPENAI_API_KEY)")
-    msub = mem.add_subparsers(dest="memory_command", required=True)
-    mw = msub.add_parser("write", help="write one record (JSON as for POST /v1/memories)")
-    mw.add_argument("json", help="the record as JSON, or - for stdin")
-    ms = msub.add_parser("search", help="search (as POST /v1/memories/search)")
-    ms.add_argument("--filter", default=None, help='JSON, e.g. {"session_id": "s1"}')
-    ms.add_argument("--query", default=None)
-    ms.add_argument("--top-k", type=int, default=None)
-    ms.add_argument("--cross-session", action="store_true")
-    mg = msub.add_parser("get", help="one record by memory_id")
-    mg.add_argument("memory_id")
-    mem.set_defaults(func=cmd_memory)
+    _memory_parser(sub)
 
     hk = sub.add_parser("hash-key", help="sha256 of a client key read from stdin, for "
                                          "tenants.client_keys_sha256")
@@ -412,7 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("replay", help="replay conversations: ab")
     rsub = rp.add_subparsers(dest="replay_command", required=True)
     ab = rsub.add_parser("ab", help="A (no eviction) vs B (a policy) on one long conversation")
-    ab.add_argument("conversation", help="chat payload JSON (the long history)")
+    ab.add_argument("conversation", help="chat payload JSON (the long history), or a capture "
+                                         "file (its --side)")
     ab.add_argument("--probes", required=True, help="YAML list of probe questions")
     ab.add_argument("--upstream", required=True, help="OpenAI-compatible base URL to ask")
     ab.add_argument("--config", default=None, help="the policy for B (default rules)")
@@ -422,6 +577,11 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--out", default="replay-report", help="directory for report.md/.html")
     ab.add_argument("--as-configured", action="store_true",
                     help="B forwards as the config stands (kill switch included): checks a rollback")
+    ab.add_argument("--concurrency", type=int, default=4,
+                    help="upstream calls in flight at once (4); each call is a progress line")
+    ab.add_argument("--side", choices=SIDES, default="before",
+                    help="a capture file: replay what the client sent (before, the default) or "
+                         "what the gateway forwarded (after)")
     ab.set_defaults(func=cmd_replay_ab)
     ex = rsub.add_parser("expect", help="per-turn replay of a session against expectations")
     ex.add_argument("session", help="JSONL: {turn, role, text} per line")

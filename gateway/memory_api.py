@@ -179,10 +179,9 @@ def routes(service_of: Callable[[web.Request], Any],
         body = await body_of(request)
         f = build_filter(body, tenant(request), rules_of(request).store)
         results = await (await store_of(request)).search(f)
+        # every field of the record, as GET and the CLI show it, plus its score
         return web.Response(content_type="application/json", body=orjson.dumps({"results": [
-            {k: v for k, v in r.public(score).items()
-             if k in ("memory_id", "score", "text", "session_id", "ts", "tags", "memory_type")}
-            for r, score in results]}))
+            r.public(score) for r, score in results]}))
 
     async def get(request: web.Request) -> web.Response:
         memory_id = check_id(request.match_info["memory_id"], "memory_id")

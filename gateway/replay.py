@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import html
+import difflib
 import re
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ import aiohttp
 import orjson
 import yaml
 
+from .capture import SIDE_MEANS, describe_side, is_capture, unwrap
 from .chat import decide
 from .conversation import first_text, is_active
 from .rules import Rules
@@ -77,6 +80,57 @@ def _tool_pairs_complete(messages: list[dict[str, Any]]) -> bool:
     return calls == results
 
 
+@dataclass(slots=True)
+class Meta:
+    """What a reader of the report needs to trust it: where, which model, which policy."""
+
+    conversation: str
+    upstream: str
+    model: str
+    config: str
+    repeat: int
+    concurrency: int
+    side: str | None = None  # a capture file: the side replayed
+    as_configured: bool = False
+    budget_tokens: int | None = None
+    dropped: list[tuple[str, int, int, int]] = field(default_factory=list)  # probe, msgs, A, B
+
+    def lines(self) -> list[tuple[str, str]]:
+        rows = [("conversation", self.conversation + (
+                    f" (a capture: `{self.side}`, {SIDE_MEANS[self.side]})" if self.side else "")),
+                ("upstream", self.upstream), ("model", self.model or "-"),
+                ("config (B's policy)", (self.config or "built-in defaults") + (
+                    " as configured (kill switch included)" if self.as_configured
+                    else ", eviction on")),
+                ("budget_tokens", str(self.budget_tokens)),
+                ("runs", f"{self.repeat} per probe and side, {self.concurrency} at a time, "
+                         "temperature 0, seed 7")]
+        for probe, msgs, a, b in self.dropped:
+            saved = a - b
+            rows.append((f"B for {probe}", f"dropped {msgs} messages, est_tokens {a} -> {b} "
+                                           f"(saved {saved}, {saved / max(1, a):.0%})"))
+        return rows
+
+
+def chat_url(upstream: str) -> str:
+    """The chat completions URL under `upstream`, its query (an api-version, say) kept."""
+    from yarl import URL
+
+    u = URL(upstream)
+    return str(u.with_path(u.path.rstrip("/") + "/v1/chat/completions").with_query(u.query))
+
+
+def shown_url(url: str) -> str:
+    """The upstream as the report shows it: no user:password, no query (a key may sit there)."""
+    from yarl import URL
+
+    try:
+        u = URL(url)
+        return str(u.with_user(None).with_password(None).with_query(None).with_fragment(None))
+    except (ValueError, TypeError):
+        return "(unparseable URL)"
+
+
 async def _ask(http: aiohttp.ClientSession, url: str, body: bytes, key: str) -> str:
     headers = {"Content-Type": "application/json"}
     if key:
@@ -88,24 +142,52 @@ async def _ask(http: aiohttp.ClientSession, url: str, body: bytes, key: str) -> 
         return str(data["choices"][0]["message"]["content"] or "")
 
 
+def chat_messages(conversation: Any, where: str) -> list[dict[str, Any]]:
+    """The chat history to replay, or a ValueError saying why this body is not one."""
+    msgs = conversation.get("messages") if isinstance(conversation, dict) else None
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+        raise ValueError(f"{where}: not a chat completions body (no messages list); "
+                         "replay ab replays OpenAI chat conversations")
+    return msgs
+
+
 async def run_ab(
     conversation: dict[str, Any], probes: list[Probe], upstream: str, rules: Rules,
     repeat: int = 1, api_key: str = "", progress: Any = None, as_configured: bool = False,
+    concurrency: int = 4, meta: Meta | None = None,
 ) -> list[ProbeResult]:
+    """Every probe's A and B calls, at most `concurrency` in flight; one progress line per
+    call; `meta` (when given) gets the budget and what B dropped per probe."""
     # B applies the policy even if the file has the kill switch off, unless asked to
     # forward exactly as the config stands (checking a rollback)
     on = rules if as_configured else replace(rules, memory=replace(rules.memory,
                                                                    enable_eviction=True))
     tok = Tokenizers(rules.token_cache_size)
-    url = upstream.rstrip("/") + "/v1/chat/completions"
+    url = chat_url(upstream)
     params = {"temperature": 0, "seed": 7}
+    history = chat_messages(conversation, "the conversation")
+    gate = asyncio.Semaphore(max(1, concurrency))
+    total, done = len(probes) * repeat * 2, 0
+
+    async def call(http: aiohttp.ClientSession, probe: Probe, side: str, run: int,
+                   body: bytes) -> str:
+        nonlocal done
+        async with gate:
+            t0 = time.perf_counter()
+            try:
+                return await _ask(http, url, body, api_key)
+            finally:
+                done += 1
+                if progress is not None:
+                    progress.write(f"replay ab: [{done}/{total}] {probe.id} {side} run {run}: "
+                                   f"{time.perf_counter() - t0:.2f} s\n")
+                    progress.flush()
+
     results = []
     async with aiohttp.ClientSession() as http:
-        for n, probe in enumerate(probes, start=1):
-            if progress is not None:
-                progress.write(f"\rreplay ab: probe {n}/{len(probes)} ({probe.id})")
-                progress.flush()
-            msgs = [*conversation["messages"], {"role": "user", "content": probe.question}]
+        calls: list[tuple[ProbeResult, Any, list[dict[str, Any]], Any]] = []
+        for probe in probes:
+            msgs = [*history, {"role": "user", "content": probe.question}]
             body = {**conversation, **params, "messages": msgs}
             body.pop("stream", None)
             raw = orjson.dumps(body)
@@ -113,14 +195,25 @@ async def run_ab(
             a_body = orjson.dumps({**body, "messages": [
                 {k: v for k, v in m.items() if k != "memgate"} for m in msgs]})
             res = ProbeResult(probe)
-            for _ in range(repeat):
-                res.answers_a.append(await _ask(http, url, a_body, api_key))
-                res.answers_b.append(await _ask(http, url, d.forward, api_key))
-            b_msgs = orjson.loads(d.forward)["messages"]
+            both = asyncio.gather(
+                asyncio.gather(*(call(http, probe, "A", i + 1, a_body) for i in range(repeat))),
+                asyncio.gather(*(call(http, probe, "B", i + 1, d.forward)
+                                 for i in range(repeat))))
+            calls.append((res, d, orjson.loads(d.forward)["messages"], both))
+            if meta is not None:
+                meta.budget_tokens = d.budget_tokens
+                dropped = len(d.plan.dropped) if d.plan is not None else 0
+                kept = d.kept_tokens() if d.plan is not None else d.est_tokens()
+                meta.dropped.append((probe.id, dropped, d.est_tokens(), kept))
+        try:
+            answers = await asyncio.gather(*(c[3] for c in calls))
+        finally:
+            for c in calls:
+                c[3].cancel()
+        for (res, d, b_msgs, _), (a_answers, b_answers) in zip(calls, answers, strict=True):
+            res.answers_a, res.answers_b = list(a_answers), list(b_answers)
             _check(res, d, b_msgs)
             results.append(res)
-    if progress is not None:
-        progress.write("\r" + " " * 60 + "\r")
     return results
 
 
@@ -152,9 +245,28 @@ def _check(res: ProbeResult, d: Any, b_msgs: list[dict[str, Any]]) -> None:
                                            f"in {len(res.answers_b)} runs")
 
 
-def markdown(results: list[ProbeResult], title: str) -> str:
+def word_diff(a: str, b: str) -> list[tuple[str, str]]:
+    """(op, text) runs turning A's answer into B's, word by word: op is `=`, `-` or `+`."""
+    wa, wb = re.findall(r"\S+\s*", a), re.findall(r"\S+\s*", b)
+    out: list[tuple[str, str]] = []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, wa, wb, autojunk=False).get_opcodes():
+        if op == "equal":
+            out.append(("=", "".join(wa[i1:i2])))
+            continue
+        if i2 > i1:
+            out.append(("-", "".join(wa[i1:i2])))
+        if j2 > j1:
+            out.append(("+", "".join(wb[j1:j2])))
+    return out
+
+
+def markdown(results: list[ProbeResult], title: str, meta: Meta | None = None) -> str:
     out = [f"# A/B replay: {title}", "",
            f"{sum(r.ok for r in results)}/{len(results)} probes pass all checks.", ""]
+    if meta is not None:
+        out += ["| run | |", "|---|---|"]
+        out += [f"| {k} | {v.replace('|', '/')} |" for k, v in meta.lines()]
+        out.append("")
     for r in results:
         out += [f"## {'PASS' if r.ok else 'FAIL'} {r.probe.id} ({r.probe.kind})", "",
                 f"**Question:** {r.probe.question}", "", "| A (no eviction) | B (policy) |",
@@ -163,40 +275,94 @@ def markdown(results: list[ProbeResult], title: str) -> str:
                 "| check | result | detail |", "|---|---|---|"]
         out += [f"| {name} | {'ok' if ok else 'FAIL'} | {detail} |"
                 for name, (ok, detail) in r.checks.items()]
+        diff = list(difflib.unified_diff(r.answers_a[0].split(". "), r.answers_b[0].split(". "),
+                                         "A", "B", lineterm="", n=1))
+        out += ["", "A -> B:" if diff else "A and B answered the same.", ""]
+        if diff:
+            out += ["```diff", *diff, "```"]
         out.append("")
     return "\n".join(out)
 
 
-def html_report(results: list[ProbeResult], title: str) -> str:
+def html_report(results: list[ProbeResult], title: str, meta: Meta | None = None) -> str:
+    """Self-contained HTML: the run's metadata, per probe the answers side by side, a
+    word diff A -> B and the checks. Every text from a model or a file is escaped."""
     e = html.escape
     rows = []
     for r in results:
         checks = "".join(
             f"<li class={'ok' if ok else 'fail'}>{e(name)}: {e(detail)}</li>"
             for name, (ok, detail) in r.checks.items())
+        diff = "".join(
+            e(t) if op == "=" else f"<{'del' if op == '-' else 'ins'}>{e(t)}"
+                                   f"</{'del' if op == '-' else 'ins'}>"
+            for op, t in word_diff(r.answers_a[0], r.answers_b[0]))
         rows.append(
             f"<section><h2 class={'ok' if r.ok else 'fail'}>{'PASS' if r.ok else 'FAIL'} "
             f"{e(r.probe.id)} <small>{e(r.probe.kind)}</small></h2>"
             f"<p><b>Question:</b> {e(r.probe.question)}</p><table><tr><th>A (no eviction)</th>"
             f"<th>B (policy)</th></tr><tr><td>{e(r.answers_a[0])}</td>"
-            f"<td>{e(r.answers_b[0])}</td></tr></table><ul>{checks}</ul></section>")
+            f"<td>{e(r.answers_b[0])}</td></tr></table>"
+            f"<p><b>A &rarr; B</b> (<del>only in A</del> <ins>only in B</ins>):</p>"
+            f"<p class=diff>{diff}</p><ul>{checks}</ul></section>")
+    info = "" if meta is None else (
+        "<table class=meta>" + "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>"
+                                       for k, v in meta.lines()) + "</table>")
     style = ("body{font-family:sans-serif;max-width:70em;margin:auto}td{vertical-align:top;"
-             "border:1px solid #ccc;padding:.5em;width:50%}.ok{color:#176617}.fail{color:#b00}")
+             "border:1px solid #ccc;padding:.5em;width:50%}.ok{color:#176617}.fail{color:#b00}"
+             "table.meta td{width:auto}table.meta th{text-align:left;padding-right:1em}"
+             "del{background:#fdd;color:#900}ins{background:#dfd;color:#060;text-decoration:none}"
+             ".diff{border:1px solid #ccc;padding:.5em;white-space:pre-wrap}")
     return (f"<!doctype html><meta charset=utf-8><title>{e(title)}</title><style>{style}</style>"
-            f"<h1>A/B replay: {e(title)}</h1>{''.join(rows)}")
+            f"<h1>A/B replay: {e(title)}</h1>"
+            f"<p>{sum(r.ok for r in results)}/{len(results)} probes pass all checks.</p>"
+            f"{info}{''.join(rows)}")
+
+
+def load_conversation(path: Path, side: str) -> tuple[dict[str, Any], str | None]:
+    """The conversation to replay and, for a capture file, the side it came from."""
+    raw = path.read_bytes()
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON: {exc}") from None
+    if not is_capture(data):
+        chat_messages(data, str(path))
+        return data, None
+    _, body, api = unwrap(raw, data, side)
+    print(describe_side(str(path), side, api), file=sys.stderr)
+    if api and api != "openai_chat":
+        raise ValueError(f"{path}: a capture of {api}; replay ab replays OpenAI chat "
+                         "conversations")
+    chat_messages(body, f"{path} ({side})")
+    return body, side
 
 
 def main(args: Any, rules: Rules) -> int:
-    conversation = orjson.loads(Path(args.conversation).read_bytes())
+    side = getattr(args, "side", "before")
+    conversation, captured = load_conversation(Path(args.conversation), side)
     probes = load_probes(Path(args.probes))
+    concurrency = getattr(args, "concurrency", 4)
+    if concurrency < 1:
+        raise ValueError(f"--concurrency must be at least 1, got {concurrency}")
+    meta = Meta(conversation=str(args.conversation), upstream=shown_url(args.upstream),
+                model=str(conversation.get("model") or ""), config=rules.source or "",
+                repeat=args.repeat, concurrency=concurrency, side=captured,
+                as_configured=args.as_configured)
     results = asyncio.run(run_ab(conversation, probes, args.upstream, rules, args.repeat,
-                                 args.api_key or "", sys.stderr if sys.stderr.isatty() else None,
-                                 as_configured=args.as_configured))
+                                 args.api_key or "", sys.stderr,
+                                 as_configured=args.as_configured, concurrency=concurrency,
+                                 meta=meta))
     title = Path(args.conversation).name
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text(markdown(results, title), encoding="utf-8")
-    (out / "report.html").write_text(html_report(results, title), encoding="utf-8")
+    key = args.api_key or ""
+    for name, text in (("report.md", markdown(results, title, meta)),
+                       ("report.html", html_report(results, title, meta))):
+        if len(key) >= 8:  # an upstream that echoes the key must not publish it
+            text = text.replace(key, "[api key redacted]").replace(
+                html.escape(key), "[api key redacted]")
+        (out / name).write_text(text, encoding="utf-8")
     for r in results:
         print(f"{'PASS' if r.ok else 'FAIL'} {r.probe.id} ({r.probe.kind})"
               + "".join(f"\n  FAIL {k}: {d}" for k, (ok, d) in r.checks.items() if not ok))

@@ -1,7 +1,10 @@
 """`memgate stats`: measure saved payloads and [mem] logs before changing behaviour.
 
-Inputs: JSON payload files, JSONL (payloads or JSON [mem] log lines), console
-[mem] log lines, directories of those, or `-` for stdin. Reports the
+Inputs: JSON payload files, capture files (measured on one side, `before` by
+default), JSONL (payloads or JSON [mem] log lines), console [mem] log lines,
+directories of those, or `-` for stdin. Log lines may carry the prefixes log
+pipelines add (docker compose, kubectl --timestamps); lines that are no request
+(startup, reloads, errors) are counted apart, never as skipped. Reports the
 distribution of messages / characters / estimated tokens per request, the
 per-session picture (how much of the volume the longest 10% of sessions
 carry) and, with `--config`, what that policy would drop.
@@ -10,6 +13,7 @@ carry) and, with `--config`, what that policy would drop.
 from __future__ import annotations
 
 import math
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -18,6 +22,7 @@ from typing import Any, TextIO
 
 import orjson
 
+from .capture import SIDE_MEANS, is_capture, unwrap, wire_named
 from .chat import decide
 from .errors import GatewayError
 from .rules import Rules
@@ -53,20 +58,45 @@ class Report:
     simulation: Simulation | None = None
     budget_tokens: int | None = None
     spend: dict[str, Spend] = field(default_factory=dict)  # [mem] records, by session
+    side: str = "before"  # the side of a capture measured
+    captures: int = 0  # capture files among the payloads
+    payloads: int = 0  # request bodies measured (captures included)
+    mem_lines: int = 0  # [mem] log records measured
+    ignored_lines: int = 0  # log lines that are no request (startup, reloads, errors, text)
 
 
-def _mem_from_console(line: str) -> dict[str, str] | None:
-    if not line.startswith("[mem] "):
+# what log pipelines put before a line: `docker compose logs` (`gateway-a-1  | `),
+# `kubectl logs --timestamps` (an RFC 3339 timestamp), a logger's time and level: text
+# without a quote, a brace or an `=`, so a client's value can never pass for the marker
+_PREFIX = r'[^"{}=\n]*?'
+_CONSOLE = re.compile(_PREFIX + r"\[mem\] ")
+_JSON_LINE = re.compile(_PREFIX + r"(?=\{)")
+# k=v, the value bare or an (ASCII) JSON string as gateway/logging.py writes one
+_PAIR = re.compile(r'([^\s="]+)=("(?:[^"\\]|\\.)*"|\S*)')
+
+
+def parse_console(line: str) -> dict[str, str] | None:
+    """The fields of a console `[mem]` line (after any pipeline prefix), else None.
+
+    Quoted values are JSON strings (`metadata_reason="a \\"b\\""`) and are decoded;
+    a `-` stays `-` (None, as the renderer writes it)."""
+    m = _CONSOLE.match(line)
+    if m is None:
         return None
-    out = {}
-    for part in line[6:].split(" "):
-        k, _, v = part.partition("=")
+    out: dict[str, str] = {}
+    for k, v in _PAIR.findall(line, m.end()):
+        if v.startswith('"'):
+            try:
+                v = orjson.loads(v)
+            except orjson.JSONDecodeError:
+                v = v[1:-1]
         out[k] = v
     return out
 
 
-def iter_records(paths: list[str], stdin: TextIO) -> Iterator[tuple[str, Any]]:
-    """(where, record) for every payload or [mem] record in the inputs."""
+def iter_records(paths: list[str], stdin: TextIO) -> Iterator[tuple[str, Any, bytes]]:
+    """(where, record, its bytes) for every payload, capture or log line in the inputs;
+    a line that is no record (another tool's text) is (where, IGNORED, b"")."""
     for p in paths:
         if p == "-":
             yield from _lines("<stdin>", stdin.read())
@@ -77,86 +107,132 @@ def iter_records(paths: list[str], stdin: TextIO) -> Iterator[tuple[str, Any]]:
             if path.is_dir() else [path]
         )
         for f in files:
-            text = f.read_text(encoding="utf-8", errors="replace")
             if f.suffix == ".json":
+                raw = f.read_bytes()
                 try:
-                    yield str(f), orjson.loads(text)
+                    yield str(f), orjson.loads(raw), raw
                 except orjson.JSONDecodeError:
-                    yield str(f), None
+                    yield str(f), None, raw
             else:
-                yield from _lines(str(f), text)
+                yield from _lines(str(f), f.read_text(encoding="utf-8", errors="replace"))
 
 
-def _lines(where: str, text: str) -> Iterator[tuple[str, Any]]:
+IGNORED = object()  # a log line that is not a [mem] record: not a skipped request
+
+
+def _lines(where: str, text: str) -> Iterator[tuple[str, Any, bytes]]:
     for n, line in enumerate(text.splitlines(), start=1):
         line = line.strip()
         if not line:
             continue
-        console = _mem_from_console(line)
+        console = parse_console(line)
         if console is not None:
-            yield f"{where}:{n}", {"event": "mem", **console}
+            yield f"{where}:{n}", {"event": "mem", **console}, b""
             continue
+        m = _JSON_LINE.match(line)
+        if m is None:  # plain text: a startup banner, a traceback, another program's
+            yield f"{where}:{n}", IGNORED, b""
+            continue
+        raw = line[m.end():].encode("utf-8")
         try:
-            yield f"{where}:{n}", orjson.loads(line)
+            rec = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            yield f"{where}:{n}", None
+            yield f"{where}:{n}", None, raw
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("event"), str) and rec["event"] != "mem":
+            yield f"{where}:{n}", IGNORED, b""  # reload, startup, errors: not requests
+        else:
+            yield f"{where}:{n}", rec, raw
 
 
 def measure(
     paths: list[str], rules: Rules, simulate: bool, stdin: TextIO = sys.stdin,
-    progress: TextIO | None = None,
+    progress: TextIO | None = None, side: str = "before",
 ) -> Report:
+    """Measure every record; a capture file is measured on `side` (default `before`,
+    what the client sent), with the api and session the gateway recorded."""
     measuring = replace(rules, memory=replace(rules.memory, enable_eviction=simulate,
                                               shadow=False))
     tokenizers = Tokenizers(rules.token_cache_size)
-    report = Report(simulation=Simulation() if simulate else None)
-    for n, (where, rec) in enumerate(iter_records(paths, stdin), start=1):
+    report = Report(simulation=Simulation() if simulate else None, side=side)
+    for n, (where, rec, raw) in enumerate(iter_records(paths, stdin), start=1):
         if progress is not None and n % 100 == 0:
             progress.write(f"\rmemgate stats: {n} records")
             progress.flush()
+        if rec is IGNORED:
+            report.ignored_lines += 1
+            continue
         if isinstance(rec, dict) and rec.get("event") == "mem":
-            try:
-                got = Sample(str(rec.get("session", "?")), int(rec["hist_msgs"]),
-                             int(rec["hist_chars"]), int(rec["est_tokens"]))
-                add_spend(report.spend, rec)  # checks its fields before it counts
-                report.samples.append(got)
-            except (KeyError, ValueError):
-                report.skipped.append(f"{where}: a [mem] record without hist_* fields")
+            _mem_record(report, where, rec)
             continue
         if not isinstance(rec, dict):
             report.skipped.append(f"{where}: not a JSON object")
             continue
-        raw = orjson.dumps(rec)
-        try:
-            d = decide(raw, rec, measuring, tokenizers, sniff(rec, Path(where).name))
-        except GatewayError as exc:
-            report.skipped.append(f"{where}: {exc.message}")
-            continue
-        if d.skip_reason is not None and d.conv is None:
-            report.skipped.append(f"{where}: {d.skip_reason}")
-            continue
-        msgs = d.messages
+        wire, session = sniff(rec, Path(where).name), None
+        if is_capture(rec):
+            raw, body, api = unwrap(raw or orjson.dumps(rec), rec, side)
+            wire = wire_named(api) or sniff(body, Path(where).name)
+            mem = rec.get("mem")
+            session = str(mem.get("session")) if isinstance(mem, dict) and mem.get(
+                "session") else None
+            report.captures += 1
+            rec = body
+            if not isinstance(rec, dict):
+                report.skipped.append(f"{where}: the capture's {side} is not a JSON object")
+                continue
+        _measure_body(report, where, raw or orjson.dumps(rec), rec, measuring, tokenizers,
+                      wire, session)
+    if progress is not None:
+        progress.write("\r" + " " * 40 + "\r")
+    return report
+
+
+def _mem_record(report: Report, where: str, rec: dict[str, Any]) -> None:
+    try:
+        got = Sample(str(rec.get("session", "?")), int(rec["hist_msgs"]),
+                     int(rec["hist_chars"]), int(rec["est_tokens"]))
+    except (KeyError, ValueError, TypeError):
+        report.skipped.append(f"{where}: a [mem] record without hist_* fields")
+        return
+    add_spend(report.spend, rec)  # checks its fields before it counts
+    report.samples.append(got)
+    report.mem_lines += 1
+    budget = rec.get("budget_tokens")
+    if isinstance(budget, int | str) and str(budget).isdigit():
+        report.budget_tokens = int(budget)
+
+
+def _measure_body(report: Report, where: str, raw: bytes, rec: dict[str, Any],
+                  measuring: Rules, tokenizers: Tokenizers, wire: Any,
+                  session: str | None) -> None:
+    try:
+        d = decide(raw, rec, measuring, tokenizers, wire)
+    except GatewayError as exc:
+        report.skipped.append(f"{where}: {exc.message}")
+        return
+    if d.skip_reason is not None and d.conv is None:
+        report.skipped.append(f"{where}: {d.skip_reason}")
+        return
+    msgs = d.messages
+    if session is None:
         first_user = next((m.get("content") for m in msgs
                            if isinstance(m, dict) and m.get("role") == "user"), "")
         system = rec.get("system") or next(
             (m.get("content") for m in msgs
              if isinstance(m, dict) and m.get("role") in ("system", "developer")), "")
-        sid = session_id({}, "X-Session-Id", rec, "offline", str(system), str(first_user))
-        tokens = d.est_tokens()
-        report.samples.append(Sample(sid, len(msgs), d.hist_chars(), tokens))
-        report.budget_tokens = d.budget_tokens
-        sim, p = report.simulation, d.plan
-        if sim is not None and p is not None:
-            if p.dropped:
-                sim.evicted += 1
-                sim.messages_dropped += len(p.dropped)
-                kept_tokens = d.kept_tokens()
-                sim.tokens_dropped += tokens - kept_tokens
-            sim.pins_kept += p.pinned
-            sim.over_budget += int(p.over_budget)
-    if progress is not None:
-        progress.write("\r" + " " * 40 + "\r")
-    return report
+        session = session_id({}, "X-Session-Id", rec, "offline", str(system), str(first_user))
+    tokens = d.est_tokens()
+    report.samples.append(Sample(session, len(msgs), d.hist_chars(), tokens))
+    report.payloads += 1
+    report.budget_tokens = d.budget_tokens
+    sim, p = report.simulation, d.plan
+    if sim is not None and p is not None:
+        if p.dropped:
+            sim.evicted += 1
+            sim.messages_dropped += len(p.dropped)
+            sim.tokens_dropped += tokens - d.kept_tokens()
+        sim.pins_kept += p.pinned
+        sim.over_budget += int(p.over_budget)
 
 
 def percentile(values: list[int], q: float) -> int:
@@ -174,7 +250,8 @@ def summary(report: Report) -> dict[str, Any]:
 
 def _summary(report: Report) -> dict[str, Any]:
     s = report.samples
-    out: dict[str, Any] = {"requests": len(s), "skipped": len(report.skipped)}
+    out: dict[str, Any] = {"requests": len(s), "skipped": len(report.skipped),
+                           "sources": sources(report)}
     if not s:
         return out
     for m in MEASURES:
@@ -206,8 +283,30 @@ def _summary(report: Report) -> dict[str, Any]:
     return out
 
 
+def sources(report: Report) -> dict[str, Any]:
+    """What was read: request bodies (captures among them, and their side), [mem] lines,
+    and the log lines that are no request at all (not counted as skipped)."""
+    out: dict[str, Any] = {"payloads": report.payloads, "mem_lines": report.mem_lines,
+                           "other_log_lines": report.ignored_lines}
+    if report.captures:
+        out.update(captures=report.captures, capture_side=report.side)
+    return out
+
+
+def describe_sources(src: dict[str, Any]) -> str:
+    parts = [f"{src['payloads']} payloads"]
+    if src.get("captures"):
+        side = src["capture_side"]
+        parts[0] += (f" ({src['captures']} captures, side `{side}`: {SIDE_MEANS[side]})")
+    parts.append(f"{src['mem_lines']} [mem] lines")
+    if src["other_log_lines"]:
+        parts.append(f"{src['other_log_lines']} other log lines ignored")
+    return ", ".join(parts)
+
+
 def render_table(s: dict[str, Any]) -> str:
-    lines = [f"requests {s['requests']}   skipped {s['skipped']}"]
+    lines = [f"requests {s['requests']}   skipped {s['skipped']}",
+             f"read: {describe_sources(s['sources'])}"]
     if s["requests"]:
         lines.append(f"{'measure':<10}{'min':>9}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>10}"
                      f"{'total':>12}")
@@ -232,8 +331,14 @@ def render_table(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(report: Report, path: str, budget: int | None) -> str | None:
-    """Histogram of tokens per request with the budget line; an error text if impossible."""
+def plot(report: Report, path: str, budget: int | None, source: str = "",
+         log: bool = False) -> str | None:
+    """Histogram of tokens per request: title with N and the source, p50/p90/p99 and the
+    budget as labelled lines; `log` for a log-scaled x axis (long tails). An error text
+    when it cannot be drawn."""
+    tokens = [x.tokens for x in report.samples]
+    if not tokens:
+        return "--plot: no request was measured, nothing to draw"
     try:
         import matplotlib
 
@@ -242,15 +347,43 @@ def plot(report: Report, path: str, budget: int | None) -> str | None:
     except ImportError:
         return ("--plot needs matplotlib: pip install 'memgate[plot]' "
                 "(or pip install matplotlib)")
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.hist([x.tokens for x in report.samples], bins=40)
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(11, 5.5), dpi=110)
+    lo, hi = max(1, min(tokens)), max(max(tokens), budget or 0, 2)
+    if log:
+        edges = [lo * 0.95 * (hi * 1.05 / (lo * 0.95)) ** (i / 50) for i in range(51)]
+        ax.set_xscale("log")
+    else:
+        edges = [hi * 1.05 * i / 50 for i in range(51)]
+    ax.hist(tokens, bins=edges, color="#4c78a8", edgecolor="white", label="requests")
+    marks: dict[int, list[str]] = {}
+    for q in (50, 90, 99):  # equal percentiles share one line and one legend entry
+        marks.setdefault(percentile(tokens, q), []).append(f"p{q}")
+    styles = iter([("#2a9d3f", ":"), ("#e08a00", "-."), ("#7b3fa0", (0, (5, 2)))])
+    for value, names in marks.items():
+        color, style = next(styles)
+        ax.axvline(value, color=color, linestyle=style, linewidth=1.8,
+                   label=f"{' = '.join(names)}: {value:,}")
     if budget:
-        ax.axvline(budget, color="red", linestyle="--", label=f"budget {budget}")
-        ax.legend()
-    ax.set_xlabel("estimated tokens per request")
+        ax.axvline(budget, color="#c0392b", linestyle="--", linewidth=2.4,
+                   label=f"budget: {budget:,}")
+    ax.set_title(f"memgate stats: estimated tokens per request (N={len(tokens):,})",
+                 fontsize=13)
+    if source:
+        fig.text(0.01, 0.01, f"source: {source}"[:160], fontsize=8, color="#555")
+    ax.set_xlabel("estimated tokens per request" + (" (log scale)" if log else ""))
     ax.set_ylabel("requests")
-    fig.tight_layout()
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    thousands = FuncFormatter(lambda v, _pos: f"{v:,.0f}")
+    ax.xaxis.set_major_formatter(thousands)
+    if log:
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda _v, _pos: ""))
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.9)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path)
+    plt.close(fig)
     return None
 
 

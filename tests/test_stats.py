@@ -39,10 +39,12 @@ def test_mem_logs_and_long_tail() -> None:
                          "est_tokens": 100}) for i in range(9)]
     lines.append("[mem] session=big turn=9 hist_msgs=90 hist_chars=900 est_tokens=9100 "
                  "budget_tokens=6000 evict=none kept=90 dropped=0 pinned=0")
-    lines.append("not a record")
+    lines.append("not a record")  # text: another program's, not a skipped request
+    lines.append('{"model": "gpt-4o", "messages": [')  # a payload line cut short: skipped
     report = stats.measure(["-"], RULES, simulate=False, stdin=io.StringIO("\n".join(lines)))
     s = stats.summary(report)
     assert s["requests"] == 10 and s["skipped"] == 1
+    assert s["sources"] == {"payloads": 0, "mem_lines": 10, "other_log_lines": 1}
     assert s["tokens"]["max"] == 9100 and s["tokens"]["p50"] == 100
     assert s["sessions"]["top10pct_sessions"] == 1
     assert s["sessions"]["top10pct_share_of_tokens"] == round(9100 / 10000, 4)

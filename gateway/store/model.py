@@ -153,6 +153,22 @@ def query_terms(query: str) -> list[str]:
     return list(out)
 
 
+def ranked(hits: list[tuple[Record, float]], query: str) -> list[tuple[Record, float]]:
+    """A backend's hits (in its relevance order) scored by the share of the query's distinct
+    terms each record contains, 0..1, best first (a stable sort: ties keep the backend's
+    BM25 / ts_rank order). Unlike FTS5's BM25, whose IDF is clamped to 1e-6 for a term in
+    half the records or more (a store of one record scores its hit 1e-6), this score says
+    the same on every backend and every store size. No query: every hit scores 0."""
+    terms = query_terms(query)
+    if not terms:
+        return [(r, 0.0) for r, _ in hits]
+    scored = []
+    for r, _ in hits:
+        words = set(index_text(r.text).split())
+        scored.append((r, round(sum(t in words for t in terms) / len(terms), 4)))
+    return sorted(scored, key=lambda h: -h[1])
+
+
 @dataclass(slots=True)
 class Record:
     memory_id: str

@@ -23,6 +23,7 @@ from .model import (
     StoreUnavailable,
     index_text,
     query_terms,
+    ranked,
 )
 from .schema import SCHEMA_VERSION
 
@@ -176,7 +177,7 @@ class PostgresStore:
                    f"ORDER BY score DESC, ts DESC LIMIT {int(f.top_k)}")
             with self._mapped():
                 rows = await self._pool.fetch(sql, *args)
-            return [(_row(r), float(r["score"])) for r in rows]
+            return ranked([(_row(r), float(r["score"])) for r in rows], f.query)
         sql = (f"SELECT {COLUMNS} FROM memgate_memories WHERE {' AND '.join(where)} "
                f"ORDER BY ts DESC LIMIT {int(f.top_k)}")
         with self._mapped():

@@ -22,6 +22,7 @@ from .model import (
     StoreUnavailable,
     index_text,
     query_terms,
+    ranked,
 )
 from .schema import SCHEMA_VERSION
 
@@ -224,6 +225,6 @@ def _search(db: sqlite3.Connection, f: Filter) -> list[tuple[Record, float]]:
                f"WHERE memories_fts MATCH ? AND {' AND '.join(where)} "
                f"ORDER BY bm25(memories_fts), m.ts DESC LIMIT ?")
         rows = db.execute(sql, [match, *args, f.top_k]).fetchall()
-        return [(_row(r[:12]), -float(r[12])) for r in rows]
+        return ranked([(_row(r[:12]), -float(r[12])) for r in rows], f.query)
     sql = f"SELECT {cols} FROM memories m WHERE {' AND '.join(where)} ORDER BY m.ts DESC LIMIT ?"
     return [(_row(r), 0.0) for r in db.execute(sql, [*args, f.top_k]).fetchall()]

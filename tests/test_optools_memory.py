@@ -1,0 +1,132 @@
+"""`memgate memory`: delete, flags after the subcommand, help with the fields, the same
+search results from the CLI and the HTTP API, scores that mean something."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.rules import TenantRules
+from gateway.session import tenant_of
+from gateway.store.model import Record, index_text, query_terms, ranked
+from gateway.store.sqlite import SqliteStore
+
+from .conftest import SECRET, GatewayFactory, Upstream
+from .test_optools_captures import cli
+
+REC = {"memory_type": "turn", "agent_id": "agent-1", "session_id": "s1",
+       "ts": "2026-11-29T10:00:00Z", "role": "user", "text": "the budget is 100k for proj-x",
+       "tags": ["budget"]}
+FLT = ["--session-id", "s1", "--time-from", "2026-11-29T00:00:00Z"]
+
+
+async def test_delete_is_tenant_scoped_and_flags_go_anywhere(tmp_path: Path) -> None:
+    """delete removes one record of the caller's tenant only (another key: exit 1, the record
+    stays); --config / --api-key work before and after the subcommand; the help names the
+    record fields with an example."""
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(f"store:\n  path: {tmp_path / 'm.db'}\n")
+    (code, out, err), (_, helped, _) = await asyncio.gather(
+        cli("memory", "--config", str(cfg), "--api-key", "k1", "write", json.dumps(REC)),
+        cli("memory", "search", "--help"))
+    assert code == 0, err
+    mid = json.loads(out)["memory_id"]
+    for needed in ("session_id (required)", "agent_id", "ts (required", "memory write '{",
+                   "--agent-id", "score"):
+        assert needed in helped, needed
+    # after the subcommand; another tenant: not found, nothing deleted
+    code, out, err = await cli("memory", "delete", mid, "--config", str(cfg), "--api-key", "k2")
+    assert code == 1 and f"no memory {mid!r} for this key" in err
+    assert await stored(tmp_path / "m.db", "k1", mid)
+    code, out, err = await cli("memory", "--api-key", "k1", "delete", "--config", str(cfg), mid)
+    assert code == 0 and json.loads(out) == {"deleted": True}
+    assert not await stored(tmp_path / "m.db", "k1", mid)
+
+
+async def stored(db: Path, key: str, memory_id: str) -> bool:
+    """Does the tenant of `key` hold `memory_id` in the SQLite store at `db`?"""
+    store = SqliteStore(str(db))
+    await store.open()
+    try:
+        tenant = tenant_of({"Authorization": f"Bearer {key}"}, TenantRules())
+        assert tenant is not None
+        return await store.get(tenant, memory_id) is not None
+    finally:
+        await store.close()
+
+
+async def test_cli_and_http_search_show_the_same_fields_and_scores(
+    gateway: GatewayFactory, upstream: Upstream, tmp_path: Path
+) -> None:
+    """The CLI on the store, the CLI through --url and the HTTP API give the same results:
+    every field (agent_id included) and a score of the query terms matched: one hit that
+    holds every term scores 1.0 (FTS5's BM25 scored it 1e-6), half of them 0.5."""
+    db = tmp_path / "m.db"
+    cfg = tmp_path / "cli.yaml"
+    cfg.write_text(f"store:\n  path: {db}\n")
+    gw = await gateway(store={"path": str(db)})
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{gw.url}/v1/memories", data=orjson.dumps(REC), headers=auth) as r:
+            assert r.status == 201
+            mid = (await r.json())["memory_id"]
+
+        async def http(query: str) -> list[dict[str, Any]]:
+            async with s.post(f"{gw.url}/v1/memories/search", headers=auth, data=orjson.dumps(
+                    {"filter": {"session_id": "s1", "agent_id": "agent-1",
+                                "time_from": "2026-11-29T00:00:00Z"}, "query": query})) as r:
+                assert r.status == 200
+                results: list[dict[str, Any]] = (await r.json())["results"]
+                return results
+
+        query = "budget proj"
+        via_http = await http(query)
+        (c1, local, e1), (c2, remote, e2), (c3, _, e3) = await asyncio.gather(
+            cli("memory", "search", *FLT, "--agent-id", "agent-1", "--query", query,
+                "--config", str(cfg), "--api-key", SECRET),
+            cli("memory", "search", *FLT, "--agent-id", "agent-1", "--query", query,
+                "--url", gw.url, "--api-key", SECRET),
+            cli("memory", "delete", mid, "--url", gw.url, "--api-key", "sk-someone-else"))
+        assert c1 == c2 == 0, e1 + e2
+        assert json.loads(local) == via_http == json.loads(remote)
+        assert [r["memory_id"] for r in via_http] == [mid] and via_http[0]["score"] == 1.0
+        assert via_http[0]["agent_id"] == "agent-1" and via_http[0]["role"] == "user"
+        assert (await http("budget weather"))[0]["score"] == 0.5
+        assert c3 == 1 and "404" in e3  # another tenant's delete: nothing deleted
+        code, out, err = await cli("memory", "delete", mid, "--url", gw.url, "--api-key", SECRET)
+        assert code == 0 and json.loads(out) == {"deleted": True}
+        assert await http("budget") == []
+
+
+def _rec(text: str, i: int) -> Record:
+    return Record(memory_id=str(i), tenant="t", agent_id="", memory_type="message",
+                  session_id="s", ts=0, text=text, tags=[], fields={})
+
+
+WORDS = st.sampled_from(["budget", "report", "csv", "预算", "订单", "weather", "plan", "x"])
+
+
+@given(st.lists(st.lists(WORDS, min_size=1, max_size=6).map(" ".join), min_size=1,
+                max_size=6), st.lists(WORDS, min_size=1, max_size=4).map(" ".join))
+def test_scores_are_the_share_of_query_terms_best_first(texts: list[str], query: str) -> None:
+    """Every score is in 0..1, is the share of the query's terms the text holds, and the
+    results come best first (ties in the backend's order)."""
+    hits = [(_rec(t, i), float(-i)) for i, t in enumerate(texts)]
+    out = ranked(hits, query)
+    terms = query_terms(query)
+    assert sorted(id(r) for r, _ in out) == sorted(id(r) for r, _ in hits)
+    for r, score in out:
+        assert 0.0 <= score <= 1.0
+        words = set(index_text(r.text).split())
+        assert score == round(sum(t in words for t in terms) / len(terms), 4)
+    assert [s for _, s in out] == sorted((s for _, s in out), reverse=True)
+    for (r1, a), (r2, b) in zip(out, out[1:]):
+        if a == b:  # a tie keeps the backend's (BM25) order
+            assert int(r1.memory_id) < int(r2.memory_id)
