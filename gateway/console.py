@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import random
+import re
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
@@ -38,6 +39,7 @@ TOP_SESSIONS = 20
 LOGIN_BYTES = 4096
 COOKIE = "memgate_console"
 COOKIE_MAX_AGE_S = 12 * 3600
+_NEXT = re.compile(r"/admin/console(/session\?id=[A-Za-z0-9._~%+:@/-]{1,400})?")
 
 # the [mem] fields a request's row shows (all small numbers, names and flags)
 SHOWN = ("turn", "hist_msgs", "hist_chars", "est_tokens", "budget_tokens", "evict",
@@ -312,7 +314,8 @@ def _refusal(request: web.Request, login: bool = True) -> web.Response | None:
         ok = _same(_cookie_value(token), request.cookies.get(COOKIE, ""))
     if ok:
         return None
-    return _page(view.login_page(wrong=given is not None), 401)
+    then = request.path_qs if _NEXT.fullmatch(request.path_qs) else "/admin/console"
+    return _page(view.login_page(wrong=given is not None, then=then), 401)
 
 
 def _status(state: GatewayState) -> view.Status:
@@ -376,12 +379,15 @@ async def login(request: web.Request) -> web.Response:
     raw = await request.content.read(LOGIN_BYTES + 1)
     if len(raw) > LOGIN_BYTES:
         return _page(view.message_page("Login form too large."), 413)
-    given = parse_qs(raw.decode("utf-8", "replace")).get("token", [""])[0]
-    if not _same(token, given):
-        return _page(view.login_page(wrong=True), 401)
+    form = parse_qs(raw.decode("utf-8", "replace"))
+    then = form.get("next", ["/admin/console"])[0]
+    if not _NEXT.fullmatch(then):  # only a console page: never a redirect elsewhere
+        then = "/admin/console"
+    if not _same(token, form.get("token", [""])[0]):
+        return _page(view.login_page(wrong=True, then=then), 401)
     # a page that moves on by itself: a redirect would carry the POST's (maybe
     # cross-site) origin, and a SameSite=Strict cookie is not sent along such a chain
-    resp = _page(view.signed_in_page(), 200)
+    resp = _page(view.signed_in_page(then), 200)
     resp.set_cookie(COOKIE, _cookie_value(token), max_age=COOKIE_MAX_AGE_S,
                     path="/admin/console", httponly=True, samesite="Strict",
                     secure=request.secure)

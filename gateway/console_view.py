@@ -43,7 +43,7 @@ align-items:center}header h1{font-size:18px;margin:0}header a{color:#cbd5e1}
 header form{margin-left:auto}main{padding:12px 20px}
 section{background:#fff;border:1px solid #e2e8f0;border-radius:6px;padding:10px 14px;
 margin-bottom:12px}h2{font-size:15px;margin:0 0 8px}
-.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(300px,1fr));gap:12px}
+.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(560px,1fr));gap:16px}
 .cards{display:flex;flex-wrap:wrap;gap:8px}.card{border:1px solid #e2e8f0;border-radius:6px;
 padding:6px 10px;min-width:110px}.card b{display:block;font-size:18px}
 .card span{color:#475569;font-size:12px}table{border-collapse:collapse;width:100%}
@@ -54,7 +54,8 @@ padding:1px 8px;font-size:12px;color:#fff}.ok{background:#16a34a}.bad{background
 .warn{background:#d97706}.off{background:#64748b}.legend span{margin-right:12px;
 font-size:12px}.sw{display:inline-block;width:10px;height:10px;margin-right:4px;
 border-radius:2px}.req{border-top:1px solid #e2e8f0;padding:8px 0}.mono{font-family:
-ui-monospace,monospace;font-size:12px}pre{white-space:pre-wrap;background:#f1f5f9;
+ui-monospace,monospace;font-size:12px}.kvs{display:flex;flex-wrap:wrap;gap:4px 18px;margin:4px 0;font-size:13px}
+.kvs span{color:#475569}.kvs b{color:#0f172a}pre{white-space:pre-wrap;background:#f1f5f9;
 padding:6px;margin:4px 0;max-height:160px;overflow:auto}.err{color:#b91c1c}
 """
 
@@ -110,24 +111,25 @@ def message_page(text: str) -> str:
     return _doc("memgate console", f"<section><p>{_e(text)}</p></section>", nav=False)
 
 
-def login_page(wrong: bool) -> str:
+def login_page(wrong: bool, then: str = "/admin/console") -> str:
     err = '<p class="err">Wrong admin token.</p>' if wrong else ""
     return _doc("memgate console: sign in", (
         f'<section><h2>Sign in</h2>{err}<form method="post" action="/admin/console/login">'
         '<label>Admin token (MEMGATE_ADMIN_TOKEN) <input type="password" name="token" '
         'autocomplete="current-password" autofocus></label> <button>Sign in</button>'
+        f'<input type="hidden" name="next" value="{_e(then)}">'
         "</form></section>"), nav=False)
 
 
-def signed_in_page() -> str:
-    return _doc("memgate console", '<section><p>Signed in. <a href="/admin/console">Open the console</a>.</p>'
-                "</section>", nav=False, to="/admin/console")
+def signed_in_page(then: str = "/admin/console") -> str:
+    return _doc("memgate console", f'<section><p>Signed in. <a href="{_e(then)}">Open the '
+                "console</a>.</p></section>", nav=False, to=_e(then))
 
 
 # --------------------------------------------------------------------------- charts
 
 Series = tuple[str, str, Sequence[float | None]]  # name, color, a value per minute
-W, H, LEFT, BOTTOM, TOP = 640, 190, 52, 20, 8
+W, H, LEFT, BOTTOM, TOP = 640, 200, 58, 20, 8
 
 
 def _ceiling(v: float) -> float:
@@ -152,7 +154,7 @@ def chart(title: str, hour: Sequence[Minute], bars: Sequence[Series] = (),
         return TOP + ph - v / top * ph
 
     parts = [f'<svg viewBox="0 0 {W} {H}" width="100%" role="img" aria-label="{_e(title)}" '
-             'font-size="11" fill="#475569">']
+             'font-size="12" fill="#475569">']
     for frac in (0, 0.5, 1):
         yy = y(top * frac)
         parts.append(f'<line x1="{LEFT}" x2="{W - 8}" y1="{yy:.1f}" y2="{yy:.1f}" '
@@ -210,6 +212,10 @@ def _pill(text: str, cls: str) -> str:
     return f'<span class="pill {cls}">{_e(text)}</span>'
 
 
+def _flag(on: bool) -> str:
+    return "true" if on else "false"
+
+
 def _status_section(st: Status) -> str:
     rules = st.rules
     m = rules.memory
@@ -218,10 +224,12 @@ def _status_section(st: Status) -> str:
     rows = [
         ("switch", f'{_pill("eviction on" if m.enable_eviction else "eviction off", mode_cls)}'
                    f' mode <b id="mode" data-value="{m.mode}">{m.mode}</b>'
-                   f" (shadow: {str(m.shadow).lower()})"),
-        ("budget", f'<span id="budget">max_tokens={_e(b.max_tokens)} max_chars={_e(b.max_chars)}'
-                   f" max_messages={_e(b.max_messages)} max_turns={_e(b.max_turns)}</span>"
-                   f" · order {_e(', '.join(m.eviction.order))}"),
+                   f" (enable_eviction: {_flag(m.enable_eviction)}, shadow: {_flag(m.shadow)})"),
+        ("budget", '<span id="budget">' + " · ".join(
+            f"{k} <b>{_n(v) if isinstance(v, int) else _e(v or '—')}</b>" for k, v in (
+                ("max_tokens", b.max_tokens), ("max_chars", b.max_chars),
+                ("max_messages", b.max_messages), ("max_turns", b.max_turns)))
+            + f"</span> · order {_e(', '.join(m.eviction.order))}"),
         ("config", f'<span class="mono">{_e(rules.source)}</span>'),
     ]
     last = st.last_reload
@@ -406,11 +414,12 @@ def _request(seen: Seen) -> str:
             + (f' · {_pill("over budget", "bad")}' if f.get("over_budget") else "")
             + (f' · {_pill("fallback: original", "warn")}' if "fallback" in f else "")
             + (f' · skipped: {_e(f["reason"])}' if "reason" in f else ""))
-    cells = [f'<td data-field="{k}" data-value="{_e(f[k])}">{_e(label)} <b>'
-             f"{_e(f[k]) if isinstance(f[k], str) else _n(f[k])}</b></td>"
+    cells = [f'<span data-field="{k}" data-value="{_e(f[k])}">{_e(label)} <b>'
+             f"{_e(f[k]) if isinstance(f[k], str) else _n(f[k])}</b></span>"
              for k, label in _ROW if k in f]
-    cells.insert(0, f'<td data-field="forwarded_tokens" data-value="{seen.forwarded_tokens}">'
-                    f"forwarded tokens <b>{_n(seen.forwarded_tokens)}</b></td>")
+    cells.insert(1, f'<span data-field="forwarded_tokens" data-value="'
+                    f'{seen.forwarded_tokens}">forwarded tokens <b>'
+                    f"{_n(seen.forwarded_tokens)}</b></span>")
     note = ""
     if seen.note_chars is not None:
         note = (f'<div>carry note: <b data-field="note_chars" data-value="{seen.note_chars}">'
@@ -420,10 +429,8 @@ def _request(seen: Seen) -> str:
     if seen.records:
         records = ("<div>recalled records: " + ", ".join(f"{n:,} chars" for n in seen.records)
                    + "".join(f"<pre>{_e(t)}</pre>" for t in seen.record_texts) + "</div>")
-    rows = [cells[i:i + 6] for i in range(0, len(cells), 6)]
-    table = "".join(f"<tr>{''.join(r)}</tr>" for r in rows)
     return (f'<div class="req" data-req="{_e(f.get("req", ""))}"><div>{head}</div>'
-            f"{strip_svg(seen)}<table>{table}</table>{note}{records}</div>")
+            f'{strip_svg(seen)}<div class="kvs">{"".join(cells)}</div>{note}{records}</div>')
 
 
 def session_page(sid: str, log: SessionLog, rules: ConsoleRules,
