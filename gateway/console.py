@@ -49,6 +49,7 @@ SHOWN = ("turn", "hist_msgs", "hist_chars", "est_tokens", "budget_tokens", "evic
          "status", "upstream_ms", "overhead_ms", "req", "api", "stream", "fallback",
          "first_status", "usage_in", "usage_cached", "usage_out", "usage_cache_write",
          "state", "reason", "archived", "media", "tokenizer")
+_SHOWN = frozenset(SHOWN)
 
 Segment = tuple[int, int, str]  # first message, count, kind
 
@@ -73,7 +74,7 @@ class Minute:
     offered: int = 0  # overhead samples seen (the reservoir keeps SAMPLES of them)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Seen:
     """One request as a session's ring keeps it."""
 
@@ -216,7 +217,7 @@ class Console:
         records = tuple(d.recalled[:RECORDS_SHOWN]) if d is not None else ()
         model = fields.get("model")
         return Seen(
-            at=now, fields={k: fields[k] for k in SHOWN if k in fields},
+            at=now, fields={k: v for k, v in fields.items() if k in _SHOWN},
             model=str(model)[:80] if model is not None else None, forwarded_tokens=fwd,
             strip=strip, note_chars=len(note) if note is not None else None,
             note=note[:TEXT_CHARS] if text and note is not None else None,
