@@ -382,6 +382,11 @@ def strip_svg(seen: Seen) -> str:
                      f'fill="{_kind_color(kind)}" data-kind="{_e(kind)}" data-count="{count}">'
                      f"<title>messages {span} ({count}): {_e(_kind_name(kind, shadow))}"
                      "</title></rect>")
+    current = next((first for first, _, kind in seen.strip if kind == "current"), None)
+    if seen.note_chars is not None and current is not None:  # where the note is inserted
+        rects.append(f'<rect x="{max(current / total * width - 2, 0):.2f}" y="0" width="3" '
+                     f'height="18" fill="#0f172a"><title>carry note, {seen.note_chars} '
+                     "characters, inserted before the current turn</title></rect>")
     return (f'<svg class="strip" viewBox="0 0 {width} 18" width="100%" height="18" '
             f'preserveAspectRatio="none">'
             f'{"".join(rects)}</svg>')
@@ -407,7 +412,8 @@ _ROW = (("kept", "kept"), ("dropped", "dropped"), ("would_drop", "would drop"),
 def _request(seen: Seen) -> str:
     f = seen.fields
     head = (f'<span class="mono">{_clock(seen.at, True)}</span> req <span class="mono">'
-            f'{_e(f.get("req", ""))}</span> · {_e(seen.model or "—")} · status '
+            f'{_e(f.get("req", ""))}</span> · {_n(f.get("hist_msgs"))} messages · '
+            f'{_e(seen.model or "—")} · status '
             f'{_e(f.get("status", ""))} · mode {_e(f.get("mode", ""))} · evict '
             f'{_e(f.get("evict", ""))}'
             + (f' (would: {_e(f["would_evict"])})' if "would_evict" in f else "")
@@ -439,6 +445,8 @@ def session_page(sid: str, log: SessionLog, rules: ConsoleRules,
     reqs = "".join(_request(s) for s in reversed(log.ring))
     body = (f'<section><h2>Session <span class="mono" id="session">{_e(sid)}</span></h2>'
             f"<p>{log.requests} requests seen, the last {len(log.ring)} below (newest first). "
-            "Each strip is one request's messages, first to last.</p>"
+            "Each strip is one request's messages in the client's order, first to last "
+            "(recalled ones are forwarded just before the current turn; a dark mark: where "
+            "the carry note went).</p>"
             f"{_strip_legend(shadow)}{reqs}</section>{_footer(rules, refresh_s)}")
     return _doc(f"memgate console: {sid}", body, refresh_s)

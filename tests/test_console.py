@@ -232,3 +232,44 @@ def test_client_strings_are_escaped() -> None:
     for html in (view.session_page(evil, log, c.rules),
                  view.session_link(evil)):
         assert evil not in html and "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in html
+
+
+def _figures(html: str) -> dict[str, str]:
+    return dict(re.findall(r'id="fig-([a-z0-9_-]+)" data-value="([^"]*)"', html))
+
+
+def test_provider_usage_and_cached_share() -> None:
+    """The provider's own counts (usage_in / usage_cached / usage_out on the [mem] fields)
+    are summed over the hour, with the cached share; requests without them count nothing
+    there, and with none at all the figures are empty (—)."""
+    c = Console(ConsoleRules(enabled=True), clock=lambda: 1_000_000.0)
+    status = view.Status(build_rules({}), None, None, None, 0, 0, [])
+    c.observe(fields("a", "1"), None, None)
+    assert _figures(view.main_page(status, c.hour(), c.largest(), c.rules))["usage-in"] == ""
+    c.observe(fields("a", "2", usage_in=1000, usage_cached=600, usage_out=50), None, None)
+    c.observe(fields("b", "3", usage_in=3000, usage_cached=0, usage_out=70), None, None)
+    figs = _figures(view.main_page(status, c.hour(), c.largest(), c.rules))
+    assert (figs["requests"], figs["usage-in"], figs["usage-cached"], figs["usage-out"]) == (
+        "3", "4000", "600", "120")
+    assert float(figs["cached-share"]) == pytest.approx(0.15)
+
+
+async def test_a_refused_reload_is_shown_with_its_file_and_error(
+    gateway: GatewayFactory,
+) -> None:
+    """The last reload's result, trigger, file and error reach the page; the good one
+    applied after it replaces them."""
+    gw = await gateway(console={"enabled": True}, env={"MEMGATE_ADMIN_TOKEN": TOKEN})
+    gw.config.write_text("console:\n  ring: 0\n", encoding="utf-8")
+    assert not await gw.state.reloader.reload("sighup")
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{gw.url}/admin/console", headers=ADMIN) as r:
+            page = await r.text()
+        assert 'id="reload-result" data-value="failed"' in page and "(sighup)" in page
+        assert str(gw.config) in page and "console.ring" in page
+        write_config(gw.config, console={"enabled": True, "ring": 5})
+        assert await gw.state.reloader.reload("watch")
+        async with s.get(f"{gw.url}/admin/console", headers=ADMIN) as r:
+            page = await r.text()
+        assert 'id="reload-result" data-value="ok"' in page and "reload-error" not in page
+        assert gw.state.console is not None and gw.state.console.rules.ring == 5
