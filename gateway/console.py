@@ -52,6 +52,8 @@ SHOWN = ("turn", "hist_msgs", "hist_chars", "est_tokens", "budget_tokens", "evic
 _SHOWN = frozenset(SHOWN)
 
 Segment = tuple[int, int, str]  # first message, count, kind
+# why the planner kept a message -> its kind on the strip (any other reason: kept)
+_KEPT_AS = {k: k for k in ("system", "current", "pinned", "recalled")}
 
 
 @dataclass(slots=True)
@@ -105,14 +107,17 @@ def message_strip(d: Any) -> tuple[tuple[Segment, ...], dict[str, int]]:
         return ((0, n, "kept"),) if n else (), {}
     kept: list[Segment] = []
     compacted = d.compacted
+    start, last, run = -2, -2, ""
     for i, by in zip(p.kept, p.kept_by):
-        kind = ("compacted" if i in compacted else
-                by if by in ("system", "current", "pinned", "recalled") else "kept")
-        if kept and kept[-1][2] == kind and kept[-1][0] + kept[-1][1] == i:
-            first, count, _ = kept[-1]
-            kept[-1] = (first, count + 1, kind)
-        else:
-            kept.append((i, 1, kind))
+        kind = "compacted" if compacted and i in compacted else _KEPT_AS.get(by, "kept")
+        if i == last + 1 and kind == run:
+            last = i
+            continue
+        if run:
+            kept.append((start, last - start + 1, run))
+        start, last, run = i, i, kind
+    if run:
+        kept.append((start, last - start + 1, run))
     dropped: dict[str, int] = {}
     out: list[Segment] = []
     k = 0
@@ -163,7 +168,7 @@ class Console:
         if rules.ring != self.rules.ring:
             for log in self.sessions.values():
                 log.ring = deque(log.ring, maxlen=rules.ring)
-        if not rules.show_text:  # text kept under the old rules is not shown nor held
+        if self.rules.show_text and not rules.show_text:  # what was kept is let go too
             for log in self.sessions.values():
                 log.ring = deque((_without_text(s) for s in log.ring), maxlen=rules.ring)
         while len(self.sessions) > rules.max_sessions:
