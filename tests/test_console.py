@@ -273,3 +273,25 @@ async def test_a_refused_reload_is_shown_with_its_file_and_error(
             page = await r.text()
         assert 'id="reload-result" data-value="ok"' in page and "reload-error" not in page
         assert gw.state.console is not None and gw.state.console.rules.ring == 5
+
+
+async def test_remote_callers_are_refused_unless_opened(gateway: GatewayFactory) -> None:
+    """As the admin API: a caller from another host gets a 403 (even with the right
+    token), unless MEMGATE_ADMIN_ALLOW_REMOTE=1."""
+    from unittest.mock import Mock
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from gateway import console
+
+    for allow, want in (("", 403), ("1", 200)):
+        gw = await gateway(console={"enabled": True},
+                           env={"MEMGATE_ADMIN_TOKEN": TOKEN, "MEMGATE_ADMIN_ALLOW_REMOTE": allow})
+        peer = Mock()  # the socket a request came in on: aiohttp reads the peer from it
+        peer.get_extra_info.side_effect = lambda k, d=None: ("10.1.2.3", 40000) \
+            if k == "peername" else d
+        req = make_mocked_request("GET", "/admin/console", headers=ADMIN, app=gw.app,
+                                  transport=peer)
+        assert req.remote == "10.1.2.3"
+        resp = await console.page(req)
+        assert resp.status == want
