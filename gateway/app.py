@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -26,6 +26,9 @@ from .state import MemoryState, RedisState
 from .tokens import Tokenizers
 from .upstream import UpstreamPool
 from .wire import PATHS
+
+if TYPE_CHECKING:
+    from .console import Console
 
 
 @dataclass
@@ -58,6 +61,7 @@ class GatewayState:
     # when off: all a request then pays is that test)
     tracing: Any = None
     tracer: Any = None
+    console: Console | None = None  # console.enabled: its observer is in `observers`
 
     @property
     def rules(self) -> Rules:
@@ -140,7 +144,7 @@ def create_app(
     watch_interval_s: float = 0.5,
 ) -> web.Application:
     """Build the gateway application for `rules` (reloaded from `config_path` if given)."""
-    from . import handlers
+    from . import console, handlers
 
     log = mglog.get_logger()
 
@@ -155,6 +159,8 @@ def create_app(
         if (old.upstreams, old.tenants) != (new.upstreams, new.tenants):
             _warn_injection(state, new)
         _switch_tracing(state, new, env or {})
+        if old.console != new.console:
+            console.sync(state, new)
 
     reloader = Reloader(config_path, env or {}, rules, on_swap, log, watch_interval_s,
                         on_result=lambda result: state.metrics.reloads.labels(result).inc())
@@ -168,6 +174,7 @@ def create_app(
         log=log,
     )
     state.memory = MemoryService(env or {}, log)
+    console.sync(state, rules)
     state.metrics.watch_history(state.history)
     state.metrics.watch_backends([state.store_health, state.archive_health, *(
         [state.sessions.health] if isinstance(state.sessions, RedisState) else [])])
@@ -224,6 +231,7 @@ def create_app(
     app.router.add_get("/readyz", handlers.readyz)
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/admin/sessions/{session}/memory", handlers.admin_session_memory)
+    app.router.add_routes(console.routes())
     app.router.add_routes(memory_routes(lambda r: r.app[STATE].memory,
                                         lambda r: r.app[STATE].rules, handlers.read_body))
     for path, wire in PATHS.items():

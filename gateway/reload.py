@@ -61,6 +61,8 @@ class Reloader:
         self.failed = 0
         self._failing = False
         self.last: tuple[float, str, str | None] | None = None  # /readyz: when, ok|failed, why
+        self.last_file: str | None = None  # the file the last reload read (or failed on)
+        self.last_trigger: str | None = None  # watch | sighup
         self._lock = asyncio.Lock()  # a SIGHUP during a watch reload waits for it
         self._pending: set[asyncio.Task[bool]] = set()
 
@@ -87,6 +89,7 @@ class Reloader:
 
     def _refused(self, reason: str, exc: RulesError) -> None:
         self.last = (time.time(), "failed", str(exc))
+        self.last_file, self.last_trigger = exc.file, reason
         self.failed += 1
         self._failing = True
         self.on_result("failed")
@@ -97,6 +100,7 @@ class Reloader:
 
     def _swap(self, reason: str, new: Rules) -> bool:
         self.last = (time.time(), "ok", None)
+        self.last_file, self.last_trigger = new.source, reason
         old = self.rules
         self._files = self._files_of(new)
         self._sig = _signature(self._files)

@@ -123,6 +123,17 @@ class CaptureRules:
 
 
 @dataclass(frozen=True, slots=True)
+class ConsoleRules:
+    """The operator console (console.py): off unless enabled; what it keeps is bounded
+    by `max_sessions` sessions of `ring` recent requests each."""
+
+    enabled: bool = False
+    show_text: bool = False  # the carry note and recalled records as text, not only sizes
+    max_sessions: int = 200
+    ring: int = 20
+
+
+@dataclass(frozen=True, slots=True)
 class StateRules:
     backend: Literal["memory", "redis"] = "memory"
     redis_url_env: str = "MEMGATE_REDIS_URL"
@@ -191,6 +202,7 @@ class Rules:
     state: StateRules = field(default_factory=StateRules)
     tenants: TenantRules = field(default_factory=TenantRules)
     tracing: TracingRules = field(default_factory=TracingRules)
+    console: ConsoleRules = field(default_factory=ConsoleRules)
     models: tuple[ModelInfo, ...] = ()
     default_encoding: str = "cl100k_base"
     default_context_window: int = 8192
@@ -264,7 +276,8 @@ def _line_map(root: yaml.Node) -> _Lines:
 # block pasted at the wrong level, as the seeds list their parameters).
 SECTIONS: dict[str, frozenset[str]] = {
     "": frozenset({"memory", "upstreams", "listen", "logging", "limits", "session", "tokens",
-                   "capture", "store", "state", "tenants", "tracing"}),
+                   "capture", "store", "state", "tenants", "tracing",
+                   "console"}),
     "memory": frozenset({"enable_eviction", "shadow", "budget", "eviction", "markers", "carry",
                          "write", "fallback_original"}),
     "memory.budget": frozenset({"max_tokens", "max_chars", "max_messages", "max_turns",
@@ -296,6 +309,7 @@ SECTIONS: dict[str, frozenset[str]] = {
     "tenants": frozenset({"credential_headers", "anonymous", "client_keys_sha256",
                           "allow_any_client"}),
     "tracing": frozenset({"enabled"}),
+    "console": frozenset({"enabled", "show_text", "max_sessions", "ring"}),
 }
 MODEL_SECTIONS: dict[str, frozenset[str]] = {  # the models file (tokens.models_file)
     "": frozenset({"models", "default"}),
@@ -665,6 +679,16 @@ def _parse_tracing(r: _Reader, data: Any) -> TracingRules:
     t = r.section(data, "tracing")
     return TracingRules(enabled=r.get(t, "tracing", "enabled", _tracing_enabled,
                                       TracingRules().enabled))
+def _parse_console(r: _Reader, data: Any) -> ConsoleRules:
+    k = "console"
+    c = r.section(data, k)
+    d = ConsoleRules()
+    return ConsoleRules(
+        enabled=r.get(c, k, "enabled", _bool, d.enabled),
+        show_text=r.get(c, k, "show_text", _bool, d.show_text),
+        max_sessions=r.get(c, k, "max_sessions", _int(1, 10_000), d.max_sessions),
+        ring=r.get(c, k, "ring", _int(1, 500), d.ring),
+    )
 
 
 def _parse_upstreams(r: _Reader, data: Any) -> tuple[Upstream, ...]:
@@ -833,6 +857,7 @@ def build_rules(
         state=state,
         tenants=_parse_tenants(r, top.get("tenants")),
         tracing=_parse_tracing(r, top.get("tracing")),
+        console=_parse_console(r, top.get("console")),
         models=models,
         default_encoding=default_encoding,
         default_context_window=default_window,

@@ -75,6 +75,12 @@ class Dropped(Sequence[tuple[int, str]]):
     def __bool__(self) -> bool:
         return self._n > 0
 
+    def spans(self) -> list[tuple[int, int, str]]:
+        """(first message, last message, stage) per run, nothing listed: a span also
+        holds the fixed (system) messages between its groups, which are kept."""
+        g = self._groups
+        return [(g[a].indices[0], g[b - 1].indices[-1], stage) for a, b, stage in self._runs]
+
     def __getitem__(self, k: Any) -> Any:
         return self._list()[k]
 

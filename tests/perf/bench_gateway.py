@@ -196,9 +196,28 @@ async def ttfb(url: str, payload: bytes) -> float:
             return (time.perf_counter() - t0) * 1000
 
 
+def console_config(where: Path) -> Path:
+    """rules/gateway.yaml (what memgate-on serves) with the console on, its files absolute."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "rules" / "gateway.yaml").read_text(encoding="utf-8"))
+    carry = data.get("memory", {}).get("carry")
+    if isinstance(carry, dict) and "rules_file" in carry:
+        carry["rules_file"] = str(ROOT / "rules" / carry["rules_file"])
+    tokens = data.setdefault("tokens", {})
+    if "models_file" in tokens:
+        tokens["models_file"] = str(ROOT / "rules" / tokens["models_file"])
+    data["console"] = {"enabled": True}
+    path = where / "console.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--console", action="store_true",
+                    help="also memgate-on with the operator console on (console.enabled)")
     args = ap.parse_args()
     py = sys.executable
     up = Proc([py, "-c", UPSTREAM, str(port := free_port())], port)
@@ -217,20 +236,29 @@ def main() -> None:
                                                                   "json"},
                                  log=Path(logs.name) / f"{name}.log")
             procs.append(targets[name])
+        if args.console:  # the same config as memgate-on, with the console observing
+            port = free_port()
+            targets["on+console"] = Proc(
+                [py, "-m", "gateway", "serve", "--port", str(port), "--upstream", upstream,
+                 "--config", str(console_config(Path(logs.name)))], port,
+                {"MEMGATE_ENABLE_EVICTION": "1", "MEMGATE_LOG_FORMAT": "json"},
+                log=Path(logs.name) / "on+console.log")
+            procs.append(targets["on+console"])
         payloads = {k: body(history(n)) for k, n in SIZES.items()}
         print(f"{'payload':<8} {'bytes':>9} | " + " | ".join(
             f"{t:>11} p50 ms  rps" for t in targets)
-            + " | on/pt p50  on/pt rps  on/pt cpu  off/pt p50  on pre-forward ms")
+            + " | on/pt p50  on/pt rps  on/pt cpu  off/pt p50  on pre-forward ms"
+            + ("  console/on p50  rps  cpu  pre-forward ms" if args.console else ""))
         for name, payload in payloads.items():
             row = {}
-            pre_forward = float("nan")
+            pre_forward = {t: float("nan") for t in targets}
             for t, proc in targets.items():
                 url = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
                 asyncio.run(latency(url, payload, 0.5))  # warm-up
                 since = proc.log_size()
                 lat = asyncio.run(latency(url, payload, args.seconds))
-                if t == "memgate-on":  # what a client waiting on a real LLM pays
-                    pre_forward = proc.overhead_ms(since)
+                if t in ("memgate-on", "on+console"):  # what a client waiting on an LLM pays
+                    pre_forward[t] = proc.overhead_ms(since)
                 c0 = proc.cpu_s()
                 rps = asyncio.run(throughput(url, payload, args.seconds))
                 # the target's CPU per request under load: steadier than latency on a busy box
@@ -240,13 +268,17 @@ def main() -> None:
             print(f"{name:<8} {len(payload):>9} | " + " | ".join(
                 f"{lat:>11.3f} {rps:>8.0f}" for lat, rps, _ in row.values())
                 + f" | {on_l / pt_l:>9.2f} {on_r / pt_r:>10.2f} {on_c / pt_c:>10.2f}"
-                  f" {row['memgate-off'][0] / pt_l:>11.2f} {pre_forward:>18.3f}")
+                  f" {row['memgate-off'][0] / pt_l:>11.2f} {pre_forward['memgate-on']:>18.3f}"
+                + (f"  {row['on+console'][0] / on_l:>14.2f} {row['on+console'][1] / on_r:>4.2f}"
+                   f" {row['on+console'][2] / on_c:>4.2f} {pre_forward['on+console']:>15.3f}"
+                   if args.console else ""))
         print("\ngrowing session, warm: CPU per request, each request = the previous history"
               " + one turn (5 warm-up requests, then 100 measured); every user turn names a"
               " file of its own, as an agent's do")
         for turns in (10, 100, 1000):
             cpu = []
-            for name in ("passthrough", "memgate-on"):
+            names = ["passthrough", "memgate-on", *(["on+console"] if args.console else [])]
+            for name in names:
                 proc = targets[name]
                 u = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
 
@@ -269,7 +301,9 @@ def main() -> None:
                 cpu.append((proc.cpu_s() - c0) / 100 * 1000)
             print(f"  turn {turns:>5} ({turns * 2:>5} messages): passthrough {cpu[0]:.2f} ms, "
                   f"memgate-on {cpu[1]:.2f} ms, memgate-on minus passthrough "
-                  f"{cpu[1] - cpu[0]:.2f} ms")
+                  f"{cpu[1] - cpu[0]:.2f} ms"
+                  + (f", on+console {cpu[2]:.2f} ms (console/on {cpu[2] / cpu[1]:.2f})"
+                     if args.console else ""))
         print("\ncold 1 MB history (nothing cached): time to first byte, median ms\n"
               "  (spaced: 0.5 s apart, the previous one's [mem] counting done; back to back:"
               " each\n  request meets the previous one's off-the-request-path counting)")
