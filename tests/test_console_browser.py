@@ -147,7 +147,11 @@ async def test_console_in_a_browser(gateway: GatewayFactory, upstream: Upstream,
     overheads = [float(e["overhead_ms"]) for e in events]
     assert float(figure(tags, "overhead-p50")) == pytest.approx(nearest_rank(overheads, 0.5))
     assert float(figure(tags, "overhead-p99")) == pytest.approx(nearest_rank(overheads, 0.99))
-    assert figure(tags, "usage-in") == ""  # no provider usage on the [mem] lines: shown as —
+    # the provider's own counts, as the mock upstream reports them on every answer
+    assert int(figure(tags, "usage-in")) == sum(int(e.get("usage_in", 0)) for e in events) > 0
+    assert int(figure(tags, "usage-out")) == sum(int(e.get("usage_out", 0)) for e in events) > 0
+    assert int(figure(tags, "usage-cached")) == sum(int(e.get("usage_cached", 0))
+                                                    for e in events)
     mode = [a["data-value"] for _, a in tags if a.get("id") == "mode"]
     assert mode == ["on"]
     rows = [a["data-session"] for _, a in tags if a.get("class") == "session-row"]
