@@ -16,23 +16,29 @@ the main port share the admin port the same way.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from .errors import GatewayError
 from .rules import Rules
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
-
 # (host, port) of the admin listener, or None when everything is on the main one; fixed
 # at start-up (a reload cannot rebind sockets)
-ADMIN_LISTEN = web.AppKey("memgate_admin_listen", tuple)
+ADMIN_LISTEN: web.AppKey[tuple[str, int] | None] = web.AppKey("memgate_admin_listen")
 PROBES = frozenset(("/healthz", "/readyz"))
 
 
 class NotHere(GatewayError):
+    """A route of the other listener (its own code: an admin route's own 404 says
+    `not_found`)."""
+
+    status = 404
+    code = "wrong_listener"
+
+
+class NoRoute(GatewayError):
+    """A path of the admin listener's that none of its routes serves."""
+
     status = 404
     code = "not_found"
 
@@ -66,19 +72,20 @@ def split_middlewares(rules: Rules) -> list[Middleware]:
         path = request.path
         on_admin = _local_port(request) == admin_port
         if on_admin:
-            # what the admin listener serves is its own routes: never the upstream relay
-            # (the catch-all would otherwise relay a POST /metrics or GET /v1/models)
-            wrong = (not is_admin_path(path) and path not in PROBES) or (
-                request.match_info.handler is passthrough)
-            reason = ("the admin listener (listen.admin_port) serves only /metrics, /admin/*, "
-                      "/healthz and /readyz" if not is_admin_path(path) else
-                      f"no {request.method} route here: the admin listener relays nothing")
-        else:
-            wrong = is_admin_path(path)
-            reason = ("/metrics and /admin/* are served on the admin listener "
-                      "(listen.admin_port), not on this port")
-        if wrong:
-            return error_response(NotHere(reason), flavor_for(path))
+            # the admin listener serves its own routes only: never the upstream relay (the
+            # catch-all would otherwise relay a POST /metrics or a GET /v1/models)
+            relay = request.match_info.handler is passthrough
+            if not is_admin_path(path) and (path not in PROBES or relay):
+                return error_response(NotHere(
+                    "the admin listener (listen.admin_port) serves only /metrics, /admin/*, "
+                    "GET /healthz and GET /readyz"), flavor_for(path))
+            if relay:
+                return error_response(NoRoute(f"no {request.method} route here: the admin "
+                                              "listener relays nothing"), flavor_for(path))
+        elif is_admin_path(path):
+            return error_response(NotHere("/metrics and /admin/* are served on the admin "
+                                          "listener (listen.admin_port), not on this port"),
+                                  flavor_for(path))
         return await handler(request)
 
     return [split_listeners]

@@ -51,7 +51,8 @@ class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
-        disable_created_metrics()  # process-wide in prometheus_client; we own the process
+        # process-wide in prometheus_client (we own the process): no `_created` samples
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         r = self.registry = CollectorRegistry()
         ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
         PlatformCollector(registry=r)  # python_info: which interpreter serves

@@ -804,7 +804,7 @@ def build_rules(
 def _admin_port(r: _Reader, listen: dict[str, Any]) -> int | None:
     """listen.admin_port: a fixed port (1..65535; the admin listener is told apart from the
     main one by it) other than listen.port."""
-    port = r.get(listen, "listen", "admin_port", _int(1, 65535, nullable=True), None)
+    port: int | None = r.get(listen, "listen", "admin_port", _int(1, 65535, nullable=True), None)
     if port is not None and port == listen.get("port", 8080):
         raise r.fail("listen.admin_port", f"must differ from listen.port ({port}): the admin "
                                           "listener is a port of its own")
