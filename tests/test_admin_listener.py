@@ -311,3 +311,54 @@ def test_each_path_has_one_listener(threaded: Threaded, path: str, method: str) 
     elif not bad_path:
         assert main_refused != admin_refused, (path, main, admin)
         assert main[2] == (0 if main_refused else 1)  # what the main port serves is relayed
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(("listen", "reason"), [
+    ({"admin_port": 8080}, "must differ from listen.port (8080)"),
+    ({"port": 9000, "admin_port": 9000}, "must differ from listen.port (9000)"),
+    ({"admin_port": 0}, "must be between 1 and 65535, got 0"),
+    ({"admin_port": 65536}, "must be between 1 and 65535, got 65536"),
+    ({"admin_port": "9091"}, "must be an integer or null"),
+    ({"admin_port": 9091, "admin_host": 7}, "listen.admin_host"),
+])
+def test_check_config_refuses_a_bad_admin_port(
+    tmp_path: Path, listen: dict[str, Any], reason: str
+) -> None:
+    """check-config names file:line and the key, exits 1, and prints no traceback."""
+    from .test_cli_and_tokens import memgate
+
+    cfg = write_config(tmp_path / "gateway.yaml", listen=listen)
+    res = memgate("check-config", str(cfg))
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr
+    assert reason in res.stderr and f"{cfg}:" in res.stderr, res.stderr
+
+
+def test_serve_refuses_a_port_that_is_the_admin_port(tmp_path: Path) -> None:
+    """`serve --port N` with N = listen.admin_port: one line and exit 2, nothing bound."""
+    from .test_cli_and_tokens import memgate
+
+    port = free_port()
+    cfg = write_config(tmp_path / "gateway.yaml", listen={"admin_port": port})
+    res = memgate("serve", "--config", str(cfg), "--port", str(port))
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    assert f"--port {port} is listen.admin_port too" in res.stderr
+
+
+def test_effective_config_keeps_the_admin_listener(tmp_path: Path) -> None:
+    """check-config prints the admin listener it will bind (host defaults to loopback)."""
+    from .test_cli_and_tokens import memgate
+
+    cfg = write_config(tmp_path / "gateway.yaml", listen={"admin_port": 9091})
+    res = memgate("check-config", str(cfg))
+    assert res.returncode == 0, res.stderr
+    import yaml
+
+    effective = yaml.safe_load(res.stdout)
+    nested = effective.get("listen") or {}  # the effective config as a config file, or flat
+    assert nested.get("admin_port", effective.get("listen_admin_port")) == 9091
+    assert nested.get("admin_host", effective.get("listen_admin_host")) == "127.0.0.1"
