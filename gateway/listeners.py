@@ -91,14 +91,17 @@ def split_middlewares(rules: Rules) -> list[Middleware]:
     return [split_listeners]
 
 
-async def start_admin_site(runner: web.BaseRunner, main: web.TCPSite,
-                           listen: tuple[str, int] | None) -> web.TCPSite | None:
+async def start_admin_site(runner: web.BaseRunner, main: web.BaseSite | None,
+                           listen: tuple[str, int] | None,
+                           reuse_port: bool | None = None) -> web.TCPSite | None:
     """Bind the admin listener (if configured) on `runner`, with the main site's socket
-    options: what lets N processes share the main port lets them share this one."""
+    options (or `reuse_port` when given: a main socket bound by hand has none to copy):
+    what lets N processes share the main port lets them share this one."""
     if listen is None:
         return None
     site = web.TCPSite(runner, listen[0], listen[1], backlog=128,
                        reuse_address=getattr(main, "_reuse_address", None),
-                       reuse_port=getattr(main, "_reuse_port", None))
+                       reuse_port=reuse_port if reuse_port is not None
+                       else getattr(main, "_reuse_port", None))
     await site.start()
     return site

@@ -324,17 +324,28 @@ def test_each_path_has_one_listener(threaded: Threaded, path: str, method: str) 
     ({"admin_port": "9091"}, "must be an integer or null"),
     ({"admin_port": 9091, "admin_host": 7}, "listen.admin_host"),
 ])
-def test_check_config_refuses_a_bad_admin_port(
+def test_a_bad_admin_port_is_refused_with_file_line_and_key(
     tmp_path: Path, listen: dict[str, Any], reason: str
 ) -> None:
-    """check-config names file:line and the key, exits 1, and prints no traceback."""
-    from .test_cli_and_tokens import memgate
+    """file:line: listen.admin_port: reason (never taken into effect)."""
+    from gateway.errors import RulesError
 
     cfg = write_config(tmp_path / "gateway.yaml", listen=listen)
+    with pytest.raises(RulesError) as refused:
+        load_rules(cfg, {})
+    assert reason in str(refused.value) and str(refused.value).startswith(f"{cfg}:")
+    assert refused.value.line is not None
+
+
+def test_check_config_refuses_a_bad_admin_port(tmp_path: Path) -> None:
+    """The CLI says the same in one line, exits 1, and prints no traceback."""
+    from .test_cli_and_tokens import memgate
+
+    cfg = write_config(tmp_path / "gateway.yaml", listen={"port": 9000, "admin_port": 9000})
     res = memgate("check-config", str(cfg))
     assert res.returncode == 1
     assert "Traceback" not in res.stderr
-    assert reason in res.stderr and f"{cfg}:" in res.stderr, res.stderr
+    assert "listen.admin_port: must differ from listen.port (9000)" in res.stderr, res.stderr
 
 
 def test_serve_refuses_a_port_that_is_the_admin_port(tmp_path: Path) -> None:
@@ -350,15 +361,12 @@ def test_serve_refuses_a_port_that_is_the_admin_port(tmp_path: Path) -> None:
 
 
 def test_effective_config_keeps_the_admin_listener(tmp_path: Path) -> None:
-    """check-config prints the admin listener it will bind (host defaults to loopback)."""
-    from .test_cli_and_tokens import memgate
+    """The effective config (what check-config prints) names the admin listener it will
+    bind (host defaults to loopback)."""
+    from gateway.rules import describe
 
     cfg = write_config(tmp_path / "gateway.yaml", listen={"admin_port": 9091})
-    res = memgate("check-config", str(cfg))
-    assert res.returncode == 0, res.stderr
-    import yaml
-
-    effective = yaml.safe_load(res.stdout)
+    effective = describe(load_rules(cfg, {}))
     nested = effective.get("listen") or {}  # the effective config as a config file, or flat
     assert nested.get("admin_port", effective.get("listen_admin_port")) == 9091
     assert nested.get("admin_host", effective.get("listen_admin_host")) == "127.0.0.1"
