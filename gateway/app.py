@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from . import listeners
 from . import logging as mglog
 from .backends import Backend
 from .capture import Capture
@@ -183,8 +184,10 @@ def create_app(
     # bodies arrive as the client sent them: passthrough relays them so, and read_body
     # decodes a compressed one within that limit (aiohttp would inflate it unbounded)
     app = web.Application(client_max_size=1 << 40, handler_args={"auto_decompress": False},
-                          middlewares=[handlers.contained_paths])
+                          middlewares=[handlers.contained_paths,
+                                       *listeners.split_middlewares(rules)])
     app[STATE] = state
+    app[listeners.ADMIN_LISTEN] = listeners.admin_listen(rules)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         _preload_tokenizers(state, state.rules)

@@ -61,12 +61,15 @@ async def serve_forever(app: Any, host: str, port: int, log: Any, drain_s: float
     from aiohttp import web
 
     from .httpserver import GatewayRunner
+    from .listeners import ADMIN_LISTEN, start_admin_site
 
     runner = GatewayRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=drain_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
+    admin = app.get(ADMIN_LISTEN)  # listen.admin_port: /metrics and /admin/* move there
+    await start_admin_site(runner, site, admin)
     # request-sized object trees are short-lived: keep start-up objects out of every GC pass
     gc.collect()
     gc.freeze()
@@ -74,7 +77,8 @@ async def serve_forever(app: Any, host: str, port: int, log: Any, drain_s: float
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("listening", host=host, port=port)
+    log.info("listening", host=host, port=port,
+             **({"admin_host": admin[0], "admin_port": admin[1]} if admin else {}))
     await stop.wait()
     log.info("shutting_down", drain_s=drain_s)
     await runner.cleanup()
@@ -98,6 +102,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(rules, config, env)
     host = args.host or rules.listen_host
     port = args.port if args.port is not None else rules.listen_port
+    if port == rules.listen_admin_port:
+        print(f"memgate: --port {port} is listen.admin_port too: give each its own port",
+              file=sys.stderr)
+        return 2
     gc.set_threshold(50_000, 20, 20)
     return run_async(lambda: serve_forever(app, host, port, log, args.drain_s))
 

@@ -87,6 +87,7 @@ def render_error(err: GatewayError, flavor: ApiFlavor = "openai") -> bytes:
         anthropic_type = {
             400: "invalid_request_error",
             401: "authentication_error",
+            404: "not_found_error",
             413: "request_too_large",
             415: "invalid_request_error",
             502: "api_error",

@@ -21,7 +21,7 @@ from .capture import record as capture_record
 from .chat import Decision, decide
 from .errors import ApiFlavor, BadPath, GatewayError, PayloadTooLarge, Unauthorized, render_error
 from .inflate import Inflater
-from .recall import GuardedStore, archive_records, recall
+from .recall import OPEN_TIMEOUT_S, RECALL_TIMEOUT_S, GuardedStore, archive_records, recall
 from .rules import Rules, Upstream
 from .session import client_refusal, session_id, tenant_of
 from .state import RedisState, SessionRecord, compare_cut, fingerprint, known_prefix
@@ -670,6 +670,7 @@ async def readyz(request: web.Request) -> web.Response:
     state: GatewayState = request.app[STATE]
     rules = state.rules
     ok = bool(rules.upstreams) and all(u.base_url for u in rules.upstreams)
+    await _ping_store(state)
     opened = state.memory is not None and state.memory.store is not None
     backends = {"state": await _state_status(state),
                 "store": {"backend": rules.store.backend, "opened": opened,
@@ -691,6 +692,22 @@ async def readyz(request: web.Request) -> web.Response:
                or (last is not None and last[1] == "failed")):
         body["status"] = "degraded"
     return web.json_response(body, status=200 if ok else 503)
+
+
+async def _ping_store(state: GatewayState) -> None:
+    """A PostgreSQL store is asked too (opened if it is not yet, then one keyed read),
+    so /readyz shows a dead or unreachable server without traffic; bounded like recall
+    and not tried while its breaker is open. SQLite is a file: nothing to ask."""
+    memory, rules = state.memory, state.rules.store
+    if memory is None or rules.backend != "postgres":
+        return
+    try:
+        store = await state.store_health.call(
+            "open", functools.partial(memory.get_store, rules), OPEN_TIMEOUT_S)
+        await state.store_health.call("ping", functools.partial(store.get, "readyz", "readyz"),
+                                      RECALL_TIMEOUT_S)
+    except BackendDown:
+        pass  # counted and shown by store_health.status()
 
 
 async def _state_status(state: GatewayState) -> dict[str, Any]:

@@ -1,6 +1,10 @@
 """Prometheus metrics (`GET /metrics`). Labels are bounded: api, mode, status code,
-reload result, a models-file glob — never a session id or a model name a client can
-invent."""
+reload result, a models-file glob — never a session id or a model name a client can invent.
+
+No `_created` series (one per labelled child: they double the scrape and no query of
+ours reads them), the process's own CPU/memory/fds (ProcessCollector on this registry),
+and the children of every bounded label set exist at 0 from the start: a `rate()` or a
+ratio over a counter that has not been incremented yet reads 0, not "no data"."""
 
 from __future__ import annotations
 
@@ -8,9 +12,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .upstream import REFUSALS
+from .wire import WIRES
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -20,6 +35,12 @@ if TYPE_CHECKING:
 
 TOKEN_BUCKETS = (250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000, 256000)
 DROP_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+# the label values known before any request: each wire's route name (as the [mem] line's
+# api=), the three modes, the refusals that trigger a resend of the original, the reload
+# results. Statuses are open-ended: only 200 is made up front.
+ROUTES = tuple(sorted({w.name for w in WIRES.values()}))
+MODES = ("off", "shadow", "on")
+RELOAD_RESULTS = ("ok", "failed")
 SECOND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                   10, 30, 60)
 
@@ -30,7 +51,11 @@ class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
+        # process-wide in prometheus_client (we own the process): no `_created` samples
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
+        PlatformCollector(registry=r)  # python_info: which interpreter serves
         self.requests = Counter("memgate_requests_total", "Requests by route, mode and status",
                                 ["route", "mode", "status"], registry=r)
         self.tokens_before = Histogram("memgate_history_tokens_before",
@@ -72,6 +97,18 @@ class Metrics:
         self._routes: dict[str, _Route] = {}
         self._requests: dict[tuple[str, str, int], Any] = {}
         self._usage: dict[tuple[str, str, str], Any] = {}
+        self._preinit()
+
+    def _preinit(self) -> None:
+        """Every child of a bounded label set, at 0 (see the module docstring)."""
+        for route in ROUTES:
+            self._route(route)
+            for mode in MODES:
+                self._requests[(route, mode, 200)] = self.requests.labels(route, mode, "200")
+            for status in sorted(REFUSALS):
+                self.fallback.labels(route, str(status))
+        for result in RELOAD_RESULTS:
+            self.reloads.labels(result)
 
     def watch_history(self, cache: HistoryCache) -> None:
         """Export the per-session history cache: hits, misses, entries, estimated bytes."""

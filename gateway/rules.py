@@ -189,6 +189,9 @@ class Rules:
     )
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
+    # /metrics and /admin/* on their own listener (None: on the main one); read at start-up
+    listen_admin_port: int | None = None
+    listen_admin_host: str = "127.0.0.1"
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
     max_body_bytes: int = 32 * 1024 * 1024
@@ -294,7 +297,7 @@ SECTIONS: dict[str, frozenset[str]] = {
                                          "small_talk_only"}),
     "upstreams[]": frozenset({"name", "base_url", "paths", "models", "connect_timeout_s",
                               "read_timeout_s", "api_key_env", "api_key_header", "proxy"}),
-    "listen": frozenset({"host", "port"}),
+    "listen": frozenset({"host", "port", "admin_port", "admin_host"}),
     "logging": frozenset({"format", "level"}),
     "limits": frozenset({"max_body_bytes"}),
     "session": frozenset({"header", "max_tracked", "history_cache_mb"}),
@@ -842,6 +845,8 @@ def build_rules(
         upstreams=upstreams,
         listen_host=r.get(listen, "listen", "host", _str(), "127.0.0.1"),
         listen_port=r.get(listen, "listen", "port", _int(0, 65535), 8080),
+        listen_admin_port=_admin_port(r, listen),
+        listen_admin_host=r.get(listen, "listen", "admin_host", _str(), "127.0.0.1"),
         log_format=r.get(logging_, "logging", "format", _str(("console", "json")), "console"),
         log_level=r.get(
             logging_, "logging", "level", _str(("debug", "info", "warning", "error")), "info"
@@ -866,6 +871,16 @@ def build_rules(
         carry_path=carry_path,
     )
     return rules
+
+
+def _admin_port(r: _Reader, listen: dict[str, Any]) -> int | None:
+    """listen.admin_port: a fixed port (1..65535; the admin listener is told apart from the
+    main one by it) other than listen.port."""
+    port: int | None = r.get(listen, "listen", "admin_port", _int(1, 65535, nullable=True), None)
+    if port is not None and port == listen.get("port", 8080):
+        raise r.fail("listen.admin_port", f"must differ from listen.port ({port}): the admin "
+                                          "listener is a port of its own")
+    return port
 
 
 def apply_env(rules: Rules, env: Mapping[str, str]) -> Rules:
