@@ -418,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
                "measured), 2 usage or config error (wrong flag, missing file, invalid config)")
     ap.add_argument("--version", action="version", version=f"memgate {__version__}")
     # listed once, in the description (with their help), not again as a positional
-    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND",
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", prog="memgate",
                             help=argparse.SUPPRESS)
 
     s = sub.add_parser("serve", help="run the gateway")

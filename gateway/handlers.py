@@ -21,6 +21,7 @@ from .capture import record as capture_record
 from .chat import Decision, decide
 from .errors import ApiFlavor, BadPath, GatewayError, PayloadTooLarge, Unauthorized, render_error
 from .inflate import Inflater
+from .metrics import route_class
 from .recall import GuardedStore, archive_records, recall
 from .rules import Rules, Upstream
 from .session import client_refusal, session_id, tenant_of
@@ -156,6 +157,8 @@ def mem_fields(
         f.update(evict="none", kept=len(msgs), dropped=0, pinned=0)
     elif d.mode == "on":
         f.update(evict=p.evict, kept=len(p.kept), dropped=len(p.dropped), pinned=p.pinned)
+        if d.note is not None:  # the injected carry note: forwarded = kept + note
+            f["note"] = 1
         if p.recalled:  # dropped history the fill brought back (counted in kept)
             f.update(recalled=len(p.recalled), recalled_tokens=p.recalled_tokens)
     else:
@@ -404,6 +407,7 @@ async def _measure(
         entry = d.view.entry if d.view is not None else None
         since = entry.archived_upto if entry is not None else 0
         records, upto = archive_records(d, tenant, session, agent, state.rules.store, since)
+        records = state.memory.fresh(records)  # archived= is what this request queued
         tail["archived"] = queued = state.memory.archive(records)
         if entry is not None and queued == len(records):
             entry.archived_upto = upto  # a full queue dropped them: all again next time
@@ -542,12 +546,27 @@ def _stable(forwarded: tuple[int, ...], d: Decision) -> tuple[int, ...]:
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
-    """Every other route: relayed as is, no [mem] line; a body with a Content-Length is
-    streamed through, a chunked one is read (up to limits.max_body_bytes) first."""
+    """Every other route: relayed as is, no [mem] line but a short `relay` line and
+    memgate_relayed_total (by route class, never the raw path)."""
     state: GatewayState = request.app[STATE]
+    t0 = time.perf_counter()
+    info = Relayed()
+    resp = await _relay_other(request, state, info)
+    status = info.status or resp.status
+    route = route_class(request.path)
+    state.metrics.observe_relayed(route, status)
+    state.log.info("relay", method=request.method, route=route, path=request.path[:200],
+                   status=status, upstream_ms=round(info.upstream_ms, 2),
+                   bytes=info.bytes_out, ms=round((time.perf_counter() - t0) * 1000, 2))
+    return resp
+
+
+async def _relay_other(request: web.Request, state: GatewayState,
+                       info: Relayed) -> web.StreamResponse:
+    """A body with a Content-Length is streamed through, a chunked one is read (up to
+    limits.max_body_bytes) first."""
     rules = state.rules
     flavor = flavor_for(request.path)
-    info = Relayed()
     up = rules.upstream_for(request.path, None)
     try:
         _admit(rules, up, request)

@@ -465,7 +465,7 @@ def _companion(r: _Reader, data: dict[str, Any], prefix: str, name: str, default
     """A file the config names (relative to the config's folder). Not named: the one of
     that name beside the config, else the one shipped with memgate, so a config copied
     to another folder keeps working; named but absent: refused with the key and path."""
-    given = r.get(data, prefix, name, _str(), None)
+    given: str | None = r.get(data, prefix, name, _str(), None)
     if given is not None:
         path = (base_dir / given).resolve()
         if not path.is_file():
