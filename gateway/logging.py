@@ -1,11 +1,12 @@
 r"""structlog setup and the `[mem]` line renderer.
 
-One `[mem]` line per intercepted request. Console: `[mem] ts=... k=v ...` with the
+One `[mem]` line per intercepted request. Console: `[mem] k=v ... ts=...` with the
 seed document's fields first, in its order. JSON: the same keys, one object,
 `event: "mem"`. Other events (startup, reloads) use the same renderers
 (`2026-12-01T17:31:40.123Z info listening host=...`). The console timestamp is UTC to
-the millisecond; on a [mem] line it is the first field (`[mem] ts=...`), so `^\[mem\] `
-still finds the request lines and their k=v parsers read it as one more field.
+the millisecond; on a [mem] line it is the last field (`... req=... ts=...`), so
+`^\[mem\] ` still finds the request lines, the seed's fields keep their places and
+k=v parsers read it as one more field.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _value(v: Any) -> str:
 
 
 class ConsoleRenderer:
-    """`[mem] ts=... session=... turn=...` for mem events, `level event ts=... k=v` for
+    """`[mem] session=... turn=... ts=...` for mem events, `ts level event k=v` for
     the rest (ts when a timestamp processor ran)."""
 
     def __call__(self, _logger: Any, _name: str, ev: MutableMapping[str, Any]) -> str:
@@ -62,8 +63,8 @@ class ConsoleRenderer:
         if event == "mem":
             keys = [k for k in MEM_FIELDS if k in ev]
             keys += [k for k in ev if k not in _SKIP and k not in _MEM_SET]
-            head = "[mem]" if ts is None else f"[mem] ts={ts}"
-            return f"{head} " + " ".join(f"{k}={_value(ev[k])}" for k in keys)
+            line = "[mem] " + " ".join(f"{k}={_value(ev[k])}" for k in keys)
+            return line if ts is None else f"{line} ts={ts}"
         head = f"{ev.get('level', 'info')} {event}" if ts is None else (
             f"{ts} {ev.get('level', 'info')} {event}")
         rest = " ".join(f"{k}={_value(v)}" for k, v in ev.items() if k not in _SKIP)

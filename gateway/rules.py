@@ -469,9 +469,10 @@ def _companion(r: _Reader, data: dict[str, Any], prefix: str, name: str, default
     if given is not None:
         path = (base_dir / given).resolve()
         if not path.is_file():
-            raise r.fail(f"{prefix}.{name}", f"{path} does not exist (a relative {name} is "
-                         "read from the config's folder; leave the key out for the file "
-                         f"shipped with memgate)")
+            hint = "" if Path(given).is_absolute() else (
+                f"a relative {name} is read from the config's folder; ")
+            raise r.fail(f"{prefix}.{name}", f"{path} does not exist ({hint}leave the key "
+                         "out for the file shipped with memgate)")
         return path
     beside = base_dir / default
     if beside.is_file():

@@ -316,8 +316,9 @@ def test_window_spells_seconds_as_the_loader_reads_them() -> None:
 
 
 def test_console_lines_carry_a_utc_millisecond_timestamp() -> None:
-    """Every console line has a timestamp: first on other lines, the first field of [mem]
-    (so `^[mem] ` still finds request lines); JSON lines have `timestamp`."""
+    """Every console line has a timestamp: first on other lines, the last field of [mem]
+    (so `^[mem] ` still finds request lines, the seed's fields first); JSON has
+    `timestamp`."""
     out = io.StringIO()
     mglog.configure("console", "info", stream=out)
     log = mglog.get_logger()
@@ -326,7 +327,7 @@ def test_console_lines_carry_a_utc_millisecond_timestamp() -> None:
     ts = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
     plain, mem = out.getvalue().splitlines()
     assert re.fullmatch(rf"{ts} info listening host=127\.0\.0\.1 port=8080", plain), plain
-    assert re.fullmatch(rf"\[mem\] ts={ts} session=s1 kept=3", mem), mem
+    assert re.fullmatch(rf"\[mem\] session=s1 kept=3 ts={ts}", mem), mem
     stamped = time.strptime(plain[:19], "%Y-%m-%dT%H:%M:%S")
     assert abs(time.mktime(stamped) - time.mktime(time.gmtime())) < 120
     out = io.StringIO()
