@@ -26,11 +26,10 @@ import yaml
 from . import logging as mglog
 from . import __version__
 from .errors import CommandError, GatewayError, RulesError
-from .resources import CHECKOUT_ROOT, shipped_file
+from .resources import shipped_file
 from .rules import Rules, describe, load_rules, missing_env
 
-PROJECT_ROOT = CHECKOUT_ROOT
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_FAILED, EXIT_USAGE = 1, 2  # and 0: ok
 
 
 def default_config(explicit: str | None, env: Mapping[str, str]) -> Path | None:
