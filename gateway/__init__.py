@@ -1,5 +1,7 @@
 """memgate: a memory-aware reverse proxy for LLM APIs."""
 
+__version__ = "0.1.0"  # before the imports: the CLI (imported by them) reads it
+
 from .app import create_app
 from .chat import Decision, decide
 from .policy import Limits, Plan, PlanRules, plan
@@ -16,4 +18,3 @@ __all__ = [
     "load_rules",
     "plan",
 ]
-__version__ = "0.1.0"

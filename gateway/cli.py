@@ -1,12 +1,20 @@
-"""`memgate` command line: serve | demo | check-config | evict."""
+"""`memgate` command line (the subcommands are listed in build_parser's description).
+
+Exit codes, for every subcommand: 0 ok; 1 the command ran and failed (a port in use,
+an upstream that failed, nothing to measure); 2 a usage or config error (a wrong flag,
+a missing file, an invalid config, an environment variable the config needs).
+A user error is one line on stderr naming what and where, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import gc
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
@@ -16,23 +24,24 @@ import orjson
 import yaml
 
 from . import logging as mglog
+from . import __version__
 from .capture import SIDES
-from .errors import GatewayError, RulesError
-from .rules import Rules, describe, load_rules
+from .errors import CommandError, GatewayError, RulesError
+from .resources import shipped_file
+from .rules import Rules, describe, load_rules, missing_env
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+EXIT_FAILED, EXIT_USAGE = 1, 2  # and 0: ok
 
 
 def default_config(explicit: str | None, env: Mapping[str, str]) -> Path | None:
-    """--config > MEMGATE_CONFIG > ./rules/gateway.yaml > the install's rules/gateway.yaml."""
+    """--config > MEMGATE_CONFIG > ./rules/gateway.yaml > the rules/gateway.yaml shipped
+    with memgate (a checkout's, or the installed package's copy)."""
     if explicit:
         return Path(explicit)
     if env.get("MEMGATE_CONFIG"):
         return Path(env["MEMGATE_CONFIG"])
-    for candidate in (Path("rules/gateway.yaml"), PROJECT_ROOT / "rules" / "gateway.yaml"):
-        if candidate.is_file():
-            return candidate
-    return None
+    local = Path("rules/gateway.yaml")
+    return local if local.is_file() else shipped_file("rules", "gateway.yaml")
 
 
 def _load_or_exit(config: Path | None, env: Mapping[str, str]) -> Rules:
@@ -40,7 +49,40 @@ def _load_or_exit(config: Path | None, env: Mapping[str, str]) -> Rules:
         return load_rules(config, env)
     except RulesError as exc:
         print(f"memgate: invalid config: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_USAGE) from None
+
+
+def port_number(text: str) -> int:
+    """argparse type for --port: 1-65535, or 0 for any free port (logged as bound)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{port} is not a TCP port (1-65535, or 0 for any free port)")
+    return port
+
+
+def listen_error(host: str, port: int, exc: OSError) -> CommandError:
+    """What a failed bind means, in one line (in use, not this machine's, no such host)."""
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.EADDRINUSE:
+        reason = "the address is already in use (another memgate or server on that port?)"
+    elif isinstance(exc, socket.gaierror):
+        reason = f"the host does not resolve ({reason})"
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        reason = "the address is not one of this machine's"
+    elif exc.errno == errno.EACCES:
+        reason = "permission denied (ports below 1024 need privileges)"
+    return CommandError(f"cannot listen on {host}:{port}: {reason}", EXIT_FAILED)
+
+
+def bound_port(site: Any, asked: int) -> int:
+    """The port a started TCPSite listens on (the one the OS chose when asked for 0)."""
+    server = getattr(site, "_server", None)
+    sockets = getattr(server, "sockets", None) or ()
+    return int(sockets[0].getsockname()[1]) if sockets else asked
 
 
 def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
@@ -67,7 +109,12 @@ async def serve_forever(app: Any, host: str, port: int, log: Any, drain_s: float
                            shutdown_timeout=drain_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise listen_error(host, port, exc) from None
+    port = bound_port(site, port)
     admin = app.get(ADMIN_LISTEN)  # listen.admin_port: /metrics and /admin/* move there
     await start_admin_site(runner, site, admin)
     # request-sized object trees are short-lived: keep start-up objects out of every GC pass
@@ -95,9 +142,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         env["MEMGATE_ANTHROPIC_UPSTREAM"] = args.anthropic_upstream
     config = default_config(args.config, env)
     rules = _load_or_exit(config, env)
+    problem = missing_env(rules, env)
+    if problem is not None:
+        raise problem
     mglog.configure(rules.log_format, rules.log_level)
     log = mglog.get_logger()
     log.info("config_loaded", file=rules.source, mode=rules.memory.mode,
+             models_file=rules.models_path, carry_file=rules.carry_path,
              upstreams=",".join(f"{u.name}={u.base_url}" for u in rules.upstreams))
     app = create_app(rules, config, env)
     host = args.host or rules.listen_host
@@ -114,11 +165,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    """Prints the effective config as a config file: saved, it loads to the same rules."""
     try:
         rules = load_rules(Path(args.file), os.environ)
+        problem = missing_env(rules, os.environ)
+        if problem is not None:
+            raise problem
     except RulesError as exc:
         print(str(exc), file=sys.stderr)
-        return 1
+        return EXIT_USAGE
+    print(f"# effective config of {args.file} (environment overrides applied)")
     print(yaml.safe_dump(describe(rules), sort_keys=False, allow_unicode=True), end="")
     print(f"# {args.file}: ok (mode={rules.memory.mode})", file=sys.stderr)
     return 0
@@ -519,13 +575,23 @@ def cmd_hash_key(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="memgate", description=__doc__)
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = argparse.ArgumentParser(
+        prog="memgate", usage="memgate [-h] [--version] COMMAND [ARGS ...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="exit codes: 0 ok, 1 the command failed (port in use, upstream error, nothing "
+               "measured), 2 usage or config error (wrong flag, missing file, invalid config)")
+    ap.add_argument("--version", action="version", version=f"memgate {__version__}")
+    # listed once, in the description (with their help), not again as a positional
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", prog="memgate",
+                            help=argparse.SUPPRESS)
 
     s = sub.add_parser("serve", help="run the gateway")
-    s.add_argument("--config", help="YAML config (default: MEMGATE_CONFIG or rules/gateway.yaml)")
-    s.add_argument("--host", default=None)
-    s.add_argument("--port", type=int, default=None)
+    s.add_argument("--config", help="YAML config (default: MEMGATE_CONFIG, ./rules/gateway.yaml, "
+                                    "else the one shipped with memgate)")
+    s.add_argument("--host", default=None, help="address to listen on (default: listen.host, "
+                                                "127.0.0.1)")
+    s.add_argument("--port", type=port_number, default=None,
+                   help="TCP port 1-65535, 0 = any free port (default: listen.port, 8080)")
     s.add_argument("--upstream", help="OpenAI-compatible upstream base URL (= MEMGATE_UPSTREAM)")
     s.add_argument("--drain-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests and streams may finish (30)")
@@ -539,12 +605,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=lambda a: __import__("gateway.demo", fromlist=["run"]).run(a))
 
     c = sub.add_parser("check-config", help="validate a config and print the effective one")
-    c.add_argument("file")
+    c.add_argument("file", help="the YAML config to check (its effective form, printed on "
+                                "stdout, is itself a valid config)")
     c.set_defaults(func=cmd_check_config)
 
     e = sub.add_parser("evict", help="explain what the gateway would drop from a payload")
     e.add_argument("payload", help="request body or capture file (JSON, or - for stdin)")
-    e.add_argument("--config", default=None)
+    e.add_argument("--config", default=None, help="the policy to explain (default as for serve)")
     e.add_argument("--json", action="store_true", help="print the exact body it would forward")
     e.add_argument("--api", choices=["chat", "messages", "responses"], default=None,
                    help="the payload's API (default: a capture's api, else the file name "
@@ -557,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("paths", nargs="+", help="payload / capture JSON files, JSONL, [mem] log "
                     "files (docker/kubectl prefixes welcome), directories, or -")
     st.add_argument("--config", default=None, help="also simulate this config's policy")
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="print the summary as JSON")
     st.add_argument("--plot", default=None, metavar="PNG",
                     help="write a tokens histogram PNG: p50/p90/p99, the budget (matplotlib)")
     st.add_argument("--log", action="store_true", help="--plot with a log-scaled tokens axis")
@@ -594,14 +661,46 @@ def build_parser() -> argparse.ArgumentParser:
     ex = rsub.add_parser("expect", help="per-turn replay of a session against expectations")
     ex.add_argument("session", help="JSONL: {turn, role, text} per line")
     ex.add_argument("expect", help="YAML: turn -> {must_contain: {key: value}, must_not_contain}")
-    ex.add_argument("--config", default=None)
+    ex.add_argument("--config", default=None, help="config whose memory.carry rules replay")
     ex.add_argument("--self-check", action="store_true",
                     help="also corrupt each expectation and require the run to fail")
     ex.set_defaults(func=cmd_replay_expect)
+    ap.description = ("memgate: a memory-aware reverse proxy for LLM APIs.\n\ncommands:\n"
+                      + "\n".join(f"  {name:<13} {a.help}" for name, a in
+                                  zip(sub.choices, sub._choices_actions, strict=True)))
+    _own_usage(ap)
     return ap
 
 
+def _own_usage(parser: argparse.ArgumentParser) -> None:
+    """Each (sub)command remembers its parser, so a wrong flag shows that command's usage."""
+    parser.set_defaults(_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _own_usage(child)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    result: int = args.func(args)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        result: int = args.func(args)
+    except CommandError as exc:
+        return _fail(args, str(exc), exc.code)
+    except RulesError as exc:
+        return _fail(args, f"invalid config: {exc}", EXIT_USAGE)
+    except OSError as exc:  # a file the user named: missing, a directory, unreadable
+        where = f"{exc.filename}: " if exc.filename else ""
+        return _fail(args, f"{where}{exc.strerror or exc}", EXIT_USAGE if where else EXIT_FAILED)
+    except KeyboardInterrupt:
+        return 130
     return result
+
+
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    sub = " ".join(str(v) for k in ("command", "memory_command", "replay_command")
+                   if (v := getattr(args, k, None)))
+    print(f"memgate {sub}: {message}", file=sys.stderr)
+    return code

@@ -24,19 +24,25 @@ from aiohttp import web
 
 from . import logging as mglog
 from .app import STATE, create_app
-from .cli import PROJECT_ROOT, default_config, run_async
+from .cli import default_config, run_async
+from .errors import CommandError
 from .mock_upstream import RECORD, create_mock_app
+from .resources import shipped_dir
 from .rules import load_rules
 from .chat import decide
 from .wire import path_of, sniff
 
 
 def _samples_dir(explicit: str | None) -> Path:
-    for candidate in (Path(explicit) if explicit else None, Path("samples"),
-                      PROJECT_ROOT / "samples"):
-        if candidate is not None and candidate.is_dir():
-            return candidate
-    raise SystemExit("memgate demo: no samples/ directory found (use --samples DIR)")
+    if explicit:
+        if not Path(explicit).is_dir():
+            raise CommandError(f"--samples {explicit}: not a directory", 2)
+        return Path(explicit)
+    found = Path("samples") if Path("samples").is_dir() else shipped_dir("samples")
+    if found is None:
+        raise CommandError("no samples/ directory here and none shipped with this install "
+                           "(use --samples DIR)", 2)
+    return found
 
 
 def _write_config(src: Path | None, dst: Path, enable: bool) -> None:
@@ -45,12 +51,12 @@ def _write_config(src: Path | None, dst: Path, enable: bool) -> None:
     memory = data.setdefault("memory", {})
     memory["enable_eviction"] = enable
     memory["shadow"] = True
-    tokens = data.setdefault("tokens", {})
-    if src is not None and tokens.get("models_file"):
-        tokens["models_file"] = str((src.parent / tokens["models_file"]).resolve())
-    carry = memory.get("carry")
-    if src is not None and isinstance(carry, dict):
-        carry["rules_file"] = str((src.parent / carry.get("rules_file", "carry.yaml")).resolve())
+    if src is not None:  # the copy lives elsewhere: the files the original resolved to
+        resolved = load_rules(src, {})
+        data["tokens"] = {**(data.get("tokens") or {}), "models_file": resolved.models_path}
+        carry = memory.get("carry")
+        if isinstance(carry, dict) and resolved.carry_path is not None:
+            carry["rules_file"] = resolved.carry_path
     tmp = dst.with_suffix(".tmp")
     tmp.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), encoding="utf-8")
     os.replace(tmp, dst)  # atomic rename, as config management tools do
@@ -85,7 +91,7 @@ async def _replay(gw: str, samples: list[Path], phase: str) -> None:
 async def _demo(args: argparse.Namespace) -> int:
     samples = sorted(_samples_dir(args.samples).glob("*.json"))
     if not samples:
-        raise SystemExit("memgate demo: the samples directory has no *.json payloads")
+        raise CommandError("the samples directory has no *.json payloads", 2)
     mem: list[dict[str, Any]] = []
     mglog.configure("console", "info", stream=sys.stdout, sink=mem)
     env = {k: v for k, v in os.environ.items()
@@ -104,7 +110,8 @@ async def _demo(args: argparse.Namespace) -> int:
         gw = f"http://127.0.0.1:{gw_port}"
         try:
             print(f"\n== mock upstream :{mock_port}, gateway :{gw_port}; "
-                  f"config {cfg} (a temporary copy of {src})")
+                  f"config {cfg} (a temporary copy of {src}), "
+                  f"model map {gw_app[STATE].rules.models_path}")
             print("\n== phase A: enable_eviction: false (shadow: measure and log what would go)")
             await _replay(gw, samples, "shadow")
             print("\n== flipping enable_eviction: true in the config file (hot reload, no restart)")

@@ -11,6 +11,7 @@
     └── UpstreamTimeout          504: connect or read timeout before a response
 
     RulesError                   config invalid: file, line, key, reason (never served)
+    CommandError                 a CLI command cannot run: one line and an exit code
 
 Bodies are rendered in one place, in the shape of the API the client speaks.
 """
@@ -79,6 +80,16 @@ class RulesError(Exception):
         self.file, self.line, self.key, self.reason = file, line, key, reason
         where = f"{file}:{line}" if line else file
         super().__init__(f"{where}: {key}: {reason}")
+
+
+class CommandError(Exception):
+    """A command that cannot do its job for a reason the user can fix (a port in use,
+    a host that does not resolve): `memgate` prints the message alone, no traceback,
+    and exits with `code` (1: runtime failure, 2: usage or config error)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def render_error(err: GatewayError, flavor: ApiFlavor = "openai") -> bytes:

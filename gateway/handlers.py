@@ -21,6 +21,7 @@ from .capture import record as capture_record
 from .chat import Decision, decide
 from .errors import ApiFlavor, BadPath, GatewayError, PayloadTooLarge, Unauthorized, render_error
 from .inflate import Inflater
+from .metrics import route_class
 from .recall import OPEN_TIMEOUT_S, RECALL_TIMEOUT_S, GuardedStore, archive_records, recall
 from .rules import Rules, Upstream
 from .session import client_refusal, session_id, tenant_of
@@ -162,6 +163,8 @@ def mem_fields(
         f.update(evict=p.evict, kept=len(p.kept), dropped=len(p.dropped), pinned=p.pinned)
         if p.dropped or d.compacted:  # the estimate of what went (est_tokens: what came)
             f["est_sent_tokens"] = d.kept_tokens()
+        if d.note is not None:  # the injected carry note: forwarded = kept + note
+            f["note"] = 1
         if p.recalled:  # dropped history the fill brought back (counted in kept)
             f.update(recalled=len(p.recalled), recalled_tokens=p.recalled_tokens)
     else:
@@ -416,6 +419,7 @@ async def _measure(
         entry = d.view.entry if d.view is not None else None
         since = entry.archived_upto if entry is not None else 0
         records, upto = archive_records(d, tenant, session, agent, state.rules.store, since)
+        records = state.memory.fresh(records)  # archived= is what this request queued
         tail["archived"] = queued = state.memory.archive(records)
         if entry is not None and queued == len(records):
             entry.archived_upto = upto  # a full queue dropped them: all again next time
@@ -558,19 +562,26 @@ def _stable(forwarded: tuple[int, ...], d: Decision) -> tuple[int, ...]:
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
-    """Every other route: relayed as is, no [mem] line (an HTTP span while tracing is on)."""
+    """Every other route: relayed as is, no [mem] line but a short `relay` line and
+    memgate_relayed_total (by route class, never the raw path); an HTTP span while
+    tracing is on."""
     state: GatewayState = request.app[STATE]
+    t0 = time.perf_counter()
     info = Relayed()
-    if state.tracer is None:
-        return await _relay_as_is(request, state, info, None)
-    span = state.tracer.start(request, info, None)
+    span = state.tracer.start(request, info, None) if state.tracer is not None else None
     status = 499  # the client left before its answer
     try:
         resp = await _relay_as_is(request, state, info, span)
-        status = resp.status
+        status = info.status or resp.status
         return resp
     finally:
-        span.close(status)
+        if span is not None:
+            span.close(status)
+        route = route_class(request.path)
+        state.metrics.observe_relayed(route, status)
+        state.log.info("relay", method=request.method, route=route, path=request.path[:200],
+                       status=status, upstream_ms=round(info.upstream_ms, 2),
+                       bytes=info.bytes_out, ms=round((time.perf_counter() - t0) * 1000, 2))
 
 
 async def _relay_as_is(request: web.Request, state: GatewayState, info: Relayed,

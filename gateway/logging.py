@@ -1,8 +1,12 @@
-"""structlog setup and the `[mem]` line renderer.
+r"""structlog setup and the `[mem]` line renderer.
 
-One `[mem]` line per intercepted request. Console: `[mem] k=v ...` with the
+One `[mem]` line per intercepted request. Console: `[mem] k=v ... ts=...` with the
 seed document's fields first, in its order. JSON: the same keys, one object,
-`event: "mem"`. Other events (startup, reloads) use the same renderers.
+`event: "mem"`. Other events (startup, reloads) use the same renderers
+(`2026-12-01T17:31:40.123Z info listening host=...`). The console timestamp is UTC to
+the millisecond; on a [mem] line it is the last field (`... req=... ts=...`), so
+`^\[mem\] ` still finds the request lines, the seed's fields keep their places and
+k=v parsers read it as one more field.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import time
 from collections.abc import MutableMapping
 from json.encoder import encode_basestring_ascii as _ascii_json
 from typing import Any, TextIO
@@ -49,17 +54,37 @@ def _value(v: Any) -> str:
 
 
 class ConsoleRenderer:
-    """`[mem] session=... turn=...` for mem events, `event k=v` for the rest."""
+    """`[mem] session=... turn=... ts=...` for mem events, `ts level event k=v` for
+    the rest (ts when a timestamp processor ran)."""
 
     def __call__(self, _logger: Any, _name: str, ev: MutableMapping[str, Any]) -> str:
         event = ev.get("event", "")
+        ts = ev.get("timestamp")
         if event == "mem":
             keys = [k for k in MEM_FIELDS if k in ev]
             keys += [k for k in ev if k not in _SKIP and k not in _MEM_SET]
-            return "[mem] " + " ".join(f"{k}={_value(ev[k])}" for k in keys)
-        head = f"{ev.get('level', 'info')} {event}"
+            line = "[mem] " + " ".join(f"{k}={_value(ev[k])}" for k in keys)
+            return line if ts is None else f"{line} ts={ts}"
+        head = f"{ev.get('level', 'info')} {event}" if ts is None else (
+            f"{ts} {ev.get('level', 'info')} {event}")
         rest = " ".join(f"{k}={_value(v)}" for k, v in ev.items() if k not in _SKIP)
         return f"{head} {rest}".rstrip()
+
+
+class UtcStamp:
+    """`timestamp`: UTC, milliseconds, Z (the seconds part formatted once per second)."""
+
+    def __init__(self) -> None:
+        self._second, self._text = -1, ""
+
+    def __call__(self, _l: Any, _n: str, ev: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        ev["timestamp"] = f"{self._text}.{int((now - second) * 1000):03d}Z"
+        return ev
 
 
 class JsonRenderer:
@@ -89,6 +114,8 @@ def configure(
         processors.append(capture)
     if fmt == "json":
         processors.append(structlog.processors.TimeStamper(fmt="iso", utc=True))
+    else:
+        processors.append(UtcStamp())
     processors.append(renderer)
     structlog.configure(
         processors=processors,

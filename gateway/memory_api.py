@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -34,6 +35,10 @@ Handler = Callable[[web.Request], Awaitable[web.Response]]
 # the code of a StoreError by its status; a 400 takes the route's own code
 CODES = {404: "not_found", 409: "memory_exists", 413: "record_too_large",
          503: "store_unavailable"}
+# (tenant, memory_id) of the records this process queued lately: a session whose parsed
+# history is not cached (history_cache_mb: 0, evicted from it, another replica's) builds
+# its archived turns again on every request; these are not queued again (~5 MB at most)
+RECENT_IDS = 50_000
 
 
 class MemoryService:
@@ -44,6 +49,11 @@ class MemoryService:
         self._lock = asyncio.Lock()
         self.queue: asyncio.Queue[list[Record]] = asyncio.Queue(1024)
         self.queued = self.written = self.dropped = 0
+        self.recent: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def fresh(self, records: list[Record]) -> list[Record]:
+        """The records not queued by this process lately (archived= counts only these)."""
+        return [r for r in records if (r.tenant, r.memory_id) not in self.recent]
 
     async def get_store(self, rules: StoreRules) -> Store:
         """The store, opened on first use (a gateway that never archives opens nothing);
@@ -67,6 +77,11 @@ class MemoryService:
             self.dropped += len(records)
             return 0
         self.queued += len(records)
+        for r in records:
+            self.recent[(r.tenant, r.memory_id)] = None
+            self.recent.move_to_end((r.tenant, r.memory_id))
+        while len(self.recent) > RECENT_IDS:
+            self.recent.popitem(last=False)
         return len(records)
 
     async def run_writer(self, rules: StoreRules, health: Backend) -> None:

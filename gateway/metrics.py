@@ -33,6 +33,29 @@ if TYPE_CHECKING:
     from .history import HistoryCache
     from .upstream import Relayed
 
+# the API resources a relayed path can name; any other path counts as "other" (a label
+# never holds a raw path: ids, deployment names and typos would each make a new series)
+ROUTE_CLASSES = frozenset({
+    "models", "embeddings", "files", "uploads", "batches", "images", "audio", "moderations",
+    "completions", "chat", "responses", "messages", "fine_tuning", "assistants", "threads",
+    "vector_stores", "realtime", "conversations", "containers", "evals",
+})
+_PREFIX_SEGMENTS = frozenset({"", "openai", "v1"})
+
+
+def route_class(path: str) -> str:
+    """The API resource of a relayed path: /v1/models/gpt-4o -> models, Azure's
+    /openai/deployments/{name}/embeddings -> embeddings, anything unknown -> other."""
+    parts = path.split("/")
+    i = 0
+    while i < len(parts) and parts[i] in _PREFIX_SEGMENTS:
+        i += 1
+    if i < len(parts) and parts[i] == "deployments":
+        i += 2  # the deployment's name is the operator's, not a resource
+    head = parts[i] if i < len(parts) else ""
+    return head if head in ROUTE_CLASSES else "other"
+
+
 TOKEN_BUCKETS = (250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000, 256000)
 DROP_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 # the label values known before any request: each wire's route name (as the [mem] line's
@@ -83,6 +106,10 @@ class Metrics:
                                registry=r)
         self.bytes_relayed = Counter("memgate_relayed_bytes_total",
                                      "Response bytes relayed to clients", ["route"], registry=r)
+        self.relayed = Counter("memgate_relayed_total",
+                               "Requests on relayed routes (/v1/models, /v1/embeddings, ...: not "
+                               "intercepted) by route class and status",
+                               ["route_class", "status"], registry=r)
         self.fallback = Counter("memgate_fallback_total",
                                 "Changed bodies the upstream refused, resent as the client "
                                 "sent them, by route and the refusal's status",
@@ -175,6 +202,8 @@ class Metrics:
             if child is None:
                 child = self._usage[key] = self.usage.labels(route, model, kind)
             child.inc(n)
+    def observe_relayed(self, route_class: str, status: int) -> None:
+        self.relayed.labels(route_class, str(status or 499)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -24,6 +24,7 @@ from .carry.rules import CarryPatterns, load_carry_patterns
 from .carry.snapshot import ALL_FIELDS, CarryRules
 from .config_yaml import load_yaml
 from .errors import RulesError
+from .resources import shipped_file
 from .policy.compact import CompactRules
 from .store.model import StoreRules, check_tags, parse_window
 
@@ -497,13 +498,42 @@ def _parse_carry(
         log_skipped=r.get(c, k, "log_skipped", _bool, d.log_skipped),
         max_note_chars=r.get(c, k, "max_note_chars", _int(100), d.max_note_chars),
     )
-    rules_file = r.get(c, k, "rules_file", _str(), "carry.yaml")
-    path = base_dir / rules_file
-    if "rules_file" not in c and not path.is_file():  # a block pasted into a config elsewhere
-        raise r.fail(f"{k}.rules_file", f"the carry patterns file {path} does not exist "
-                     "(rules_file defaults to carry.yaml beside this config): copy "
-                     "rules/carry.yaml there or set rules_file")
-    return rules, load_carry_patterns(path), str(path)
+    path = _companion(r, c, k, "rules_file", "carry.yaml", base_dir)
+    return rules, _load_companion(r, f"{k}.rules_file", path, load_carry_patterns), str(path)
+
+
+def _companion(r: _Reader, data: dict[str, Any], prefix: str, name: str, default: str,
+               base_dir: Path) -> Path:
+    """A file the config names (relative to the config's folder). Not named: the one of
+    that name beside the config, else the one shipped with memgate, so a config copied
+    to another folder keeps working; named but absent: refused with the key and path."""
+    given: str | None = r.get(data, prefix, name, _str(), None)
+    if given is not None:
+        path = (base_dir / given).resolve()
+        if not path.is_file():
+            hint = "" if Path(given).is_absolute() else (
+                f"a relative {name} is read from the config's folder; ")
+            raise r.fail(f"{prefix}.{name}", f"{path} does not exist ({hint}leave the key "
+                         "out for the file shipped with memgate)")
+        return path
+    beside = base_dir / default
+    if beside.is_file():
+        return beside.resolve()
+    shipped = shipped_file("rules", default)
+    if shipped is None:
+        raise r.fail(f"{prefix}.{name}", f"no {default} beside the config ({beside}) and "
+                     "none shipped with this install: set the key")
+    return shipped
+
+
+def _load_companion(r: _Reader, key: str, path: Path, load: Callable[[Path], Any]) -> Any:
+    """load(path), its errors naming the config key that chose the file."""
+    try:
+        return load(path)
+    except RulesError as exc:
+        if exc.key in ("<file>", "<document>"):  # the file itself, not a key inside it
+            raise r.fail(key, f"{path}: {exc.reason}") from None
+        raise
 
 
 def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | None]:
@@ -667,7 +697,7 @@ def _tracing_enabled(v: Any) -> bool | Literal["auto"]:
     if v != "auto" and not isinstance(v, bool):
         raise ValueError(f"must be true, false or auto, got {v!r}")
     if v is True and not _otel_installed():  # auto stays off without it (said at startup)
-        raise ValueError("tracing needs the otel extra: pip install 'memgate[otel]'")
+        raise ValueError("tracing needs the otel extra: pip install 'memgate-proxy[otel]'")
     return v  # type: ignore[no-any-return]
 
 
@@ -829,16 +859,11 @@ def build_rules(
         read_timeout_s=r.get(st, "state", "read_timeout_s", _float(0.001, 60), 0.5),
         retry_after_s=r.get(st, "state", "retry_after_s", _float(0.0, 3600), 5.0),
     )
-    models: tuple[ModelInfo, ...] = ()
-    default_encoding, default_window = "cl100k_base", 8192
-    models_file = r.get(tokens, "tokens", "models_file", _str(), None)
-    mpath: Path | None = None
-    if models_file is not None:
-        mpath = base_dir / models_file
-        mdata, mlines = _load_yaml(mpath)
-        models, default_encoding, default_window = _parse_models(
-            _Reader(str(mpath), mlines, MODEL_SECTIONS), mdata
-        )
+    mpath = _companion(r, tokens, "tokens", "models_file", "models.yaml", base_dir)
+    mdata, mlines = _load_companion(r, "tokens.models_file", mpath, _load_yaml)
+    models, default_encoding, default_window = _parse_models(
+        _Reader(str(mpath), mlines, MODEL_SECTIONS), mdata
+    )
 
     rules = Rules(
         memory=memory,
@@ -867,7 +892,7 @@ def build_rules(
         default_encoding=default_encoding,
         default_context_window=default_window,
         source=file,
-        models_path=str(mpath) if mpath is not None else None,
+        models_path=str(mpath),
         carry_path=carry_path,
     )
     return rules
@@ -944,16 +969,21 @@ def unguarded_injection(rules: Rules) -> list[str]:
 
 
 def describe(rules: Rules) -> dict[str, Any]:
-    """The effective config as plain data (for check-config and startup logs)."""
-    from dataclasses import asdict, replace
+    """The effective config as config-file data (check-config prints it; it loads back)."""
+    from .effective import effective_config
 
-    patterns = rules.memory.carry_patterns
-    out = asdict(replace(rules, memory=replace(rules.memory, carry_patterns=None)))
-    out.pop("memo", None)  # a cache, not configuration
-    out["tenants"]["client_keys_sha256"] = sorted(rules.tenants.client_keys_sha256)
-    out["memory"]["mode"] = rules.memory.mode
-    out["memory"]["carry_patterns"] = (
-        f"{len(patterns.refs)} ref patterns, {len(patterns.deictics)} deictics"
-        if patterns else None
-    )
-    return out
+    return effective_config(rules)
+
+
+def missing_env(rules: Rules, env: Mapping[str, str]) -> RulesError | None:
+    """A backend the config chooses whose connection string the environment lacks:
+    serve and check-config refuse it up front instead of failing at the first use."""
+    if rules.state.backend == "redis" and not env.get(rules.state.redis_url_env):
+        return RulesError(rules.source, None, "state.backend",
+                          f"redis needs ${rules.state.redis_url_env} (a redis:// URL; "
+                          "state.redis_url_env names the variable), which is not set")
+    if rules.store.backend == "postgres" and not env.get(rules.store.dsn_env):
+        return RulesError(rules.source, None, "store.backend",
+                          f"postgres needs ${rules.store.dsn_env} (a postgresql:// DSN; "
+                          "store.dsn_env names the variable), which is not set")
+    return None

@@ -79,18 +79,18 @@ def test_missing_file_is_a_rules_error(tmp_path: Path) -> None:
 
 
 def test_check_config_cli(tmp_path: Path) -> None:
-    """memgate check-config prints the effective config or file:line: key: reason, exit 1."""
+    """memgate check-config prints the effective config or file:line: key: reason, exit 2."""
     ok = subprocess.run([sys.executable, "-m", "gateway", "check-config",
                          str(ROOT / "rules" / "gateway.yaml")],
                         capture_output=True, text=True, env={"MEMGATE_ENABLE_EVICTION": "1"},
                         check=False)
     assert ok.returncode == 0
-    assert "enable_eviction: true" in ok.stdout and "mode: 'on'" in ok.stdout
+    assert "enable_eviction: true" in ok.stdout and "ok (mode=on)" in ok.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text("memory:\n  shadow: true\n  budget:\n    max_chars: -3\n")
     res = subprocess.run([sys.executable, "-m", "gateway", "check-config", str(bad)],
                          capture_output=True, text=True, check=False)
-    assert res.returncode == 1
+    assert res.returncode == 2
     assert res.stderr.strip() == f"{bad}:4: memory.budget.max_chars: must be >= 1, got -3"
 
 
@@ -159,15 +159,20 @@ def test_memory_write_errors_name_the_spelling_used(tmp_path: Path) -> None:
     assert exc.value.key == "memory.write.ref_ttl_turns" and exc.value.line == 8
 
 
-def test_missing_carry_patterns_file_is_explained(tmp_path: Path) -> None:
-    """The seed block pasted into a config with no carry.yaml beside it says which file it
-    looked for and how to give one."""
+def test_missing_carry_patterns_file_falls_back_or_is_explained(tmp_path: Path) -> None:
+    """The seed block pasted into a config with no carry.yaml beside it uses the shipped
+    patterns; a rules_file that is named but absent is refused with its key and path."""
     cfg = tmp_path / "g.yaml"
     cfg.write_text(SEED_000_MEMORY_WRITE, encoding="utf-8")
     res = check_config(cfg)
-    assert res.returncode == 1
-    assert res.stderr.startswith(f"{cfg}:2: memory.write.rules_file: ")
-    assert str(tmp_path / "carry.yaml") in res.stderr and "rules/carry.yaml" in res.stderr
+    assert res.returncode == 0, res.stderr
+    assert load_rules(cfg, {}).carry_path == str((ROOT / "rules" / "carry.yaml").resolve())
+    cfg.write_text(SEED_000_MEMORY_WRITE + "    rules_file: my-carry.yaml\n", encoding="utf-8")
+    res = check_config(cfg)
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"{cfg}:10: memory.write.rules_file: "), res.stderr
+    assert str(tmp_path / "my-carry.yaml") in res.stderr and "does not exist" in res.stderr
+    assert "Traceback" not in res.stderr
 
 
 def test_seed_003_parameters_at_the_top_level_say_where_they_live(tmp_path: Path) -> None:
@@ -175,7 +180,7 @@ def test_seed_003_parameters_at_the_top_level_say_where_they_live(tmp_path: Path
     cfg = tmp_path / "g.yaml"
     cfg.write_text(SEED_003_PARAMETERS, encoding="utf-8")
     res = check_config(cfg)
-    assert res.returncode == 1
+    assert res.returncode == 2
     first = f"{cfg}:1: write_granularity: unknown key here; it belongs under store:"
     assert res.stderr.startswith(first), res.stderr
     for key in ("session_scope", "default_time_window", "default_tags", "search_top_k",

@@ -33,6 +33,7 @@ import orjson
 from gateway.chat import Decision, current_turn_start, decide
 from gateway.rules import build_rules
 from gateway.tokens import Tokenizers
+from tests.perf.shared_data import default_data_dir, require
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES: list[tuple[str, dict[str, Any]]] = [
@@ -150,10 +151,13 @@ def evaluate(payloads: list[bytes], side: list[dict[str, Any]], budget: int,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=default_data_dir())
     ap.add_argument("--budget", type=int, default=4000)
     ap.add_argument("--set", default="long_context", choices=("long_context", "base"))
     args = ap.parse_args()
+    require("--data", args.data / "retention.py",
+            args.data / "bfcl" / f"{args.set}_payloads.jsonl",
+            args.data / "bfcl" / f"{args.set}_side.jsonl")
     sys.path.insert(0, str(args.data))
     import retention  # the data set's own matching rule (norm, request_haystack)
 

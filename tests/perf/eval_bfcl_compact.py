@@ -31,9 +31,10 @@ from gateway.chat import current_turn_start, decide
 from gateway.policy.compact import MARK
 from gateway.rules import build_rules
 from gateway.tokens import Tokenizers
+from tests.perf.shared_data import default_data_dir, require
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = Path("/work/shared/data/bfcl/long_context_payloads.jsonl")
+DATA = default_data_dir() / "bfcl" / "long_context_payloads.jsonl"
 
 
 def leaves(text: str) -> list[str]:
@@ -183,6 +184,7 @@ def main() -> None:
     ap.add_argument("--compact", default="{}", help='knobs, e.g. {"min_chars": 1000}')
     ap.add_argument("--sessions", action="store_true", help="growing sessions' cost")
     a = ap.parse_args()
+    require("--payloads", a.payloads)
     knobs = orjson.loads(a.compact)
     if a.sessions:
         sessions(a.payloads.read_bytes().splitlines(), a.budget, knobs)

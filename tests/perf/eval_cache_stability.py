@@ -32,6 +32,7 @@ import orjson
 from gateway.chat import decide
 from gateway.rules import build_rules
 from gateway.tokens import Tokenizers
+from tests.perf.shared_data import require
 
 ROOT = Path(__file__).resolve().parents[2]
 TOK = Tokenizers(500_000)
@@ -132,6 +133,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--bfcl", type=Path, default=None)
     args = ap.parse_args()
+    if args.bfcl:
+        require("--bfcl", args.bfcl)
     table("synthetic 300-turn chat (no tools, ~110 tokens a turn)",
           [synthetic_session(tools=False)], [2000, 4000, 8000])
     table("synthetic 300-turn coding session (tool results, ~500 tokens a turn)",

@@ -34,6 +34,7 @@ from gateway.recall import recall
 from gateway.rules import build_rules
 from gateway.store import StoreRules
 from gateway.tokens import Tokenizers
+from tests.perf.shared_data import default_data_dir, require
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +66,7 @@ def forward_all(payloads: Path, budget: int, top_k: int, out: Path,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=default_data_dir())
     ap.add_argument("--budgets", default="2000,4000,8000")
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--recall-share", type=float, default=None,
@@ -74,6 +75,8 @@ def main() -> None:
                     help="memory.eviction.low_water for the fill row (default: shipped)")
     ap.add_argument("--only-fill", action="store_true", help="skip the rows without the fill")
     args = ap.parse_args()
+    require("--data", args.data / "locomo_to_payloads.py", args.data / "retention.py",
+            args.data / "locomo" / "locomo_dev.json")
     fill: dict[str, Any] = {}
     if args.recall_share is not None:
         fill["recall_share"] = args.recall_share
