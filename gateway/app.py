@@ -105,7 +105,7 @@ def _switch_tracing(state: GatewayState, rules: Rules, env: Mapping[str, str]) -
             from . import otel  # the optional extra
         except ImportError as exc:  # tracing: auto without it (true is refused at load)
             state.log.warning("tracing_unavailable", error=str(exc)[:200],
-                              detail="pip install 'memgate-proxy[otel]'")
+                              detail="pip install -e '.[otel]' in a checkout")
             return
         try:
             state.tracing = otel.from_env(env, lambda: state.log)

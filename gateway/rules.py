@@ -697,7 +697,8 @@ def _tracing_enabled(v: Any) -> bool | Literal["auto"]:
     if v != "auto" and not isinstance(v, bool):
         raise ValueError(f"must be true, false or auto, got {v!r}")
     if v is True and not _otel_installed():  # auto stays off without it (said at startup)
-        raise ValueError("tracing needs the otel extra: pip install 'memgate-proxy[otel]'")
+        raise ValueError("tracing needs the otel extra (pip install -e '.[otel]' in a "
+                         "checkout)")
     return v  # type: ignore[no-any-return]
 
 

@@ -345,7 +345,7 @@ def plot(report: Report, path: str, budget: int | None, source: str = "",
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return ("--plot needs matplotlib: pip install 'memgate-proxy[plot]' "
+        return ("--plot needs matplotlib: pip install -e '.[plot]' in a checkout "
                 "(or pip install matplotlib)")
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
