@@ -343,7 +343,7 @@ def test_check_config_refuses_a_bad_admin_port(tmp_path: Path) -> None:
 
     cfg = write_config(tmp_path / "gateway.yaml", listen={"port": 9000, "admin_port": 9000})
     res = memgate("check-config", str(cfg))
-    assert res.returncode == 1
+    assert res.returncode == 2  # a config error (README: exit codes)
     assert "Traceback" not in res.stderr
     assert "listen.admin_port: must differ from listen.port (9000)" in res.stderr, res.stderr
 
