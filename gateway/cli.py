@@ -539,22 +539,24 @@ def _memory_parser(sub: Any) -> None:
                                                    "flags below are merged into it")
     ms.add_argument("--session-id", dest="session_id", default=None,
                     help="required unless --cross-session")
-    ms.add_argument("--agent-id", dest="agent_id", default=None)
+    ms.add_argument("--agent-id", dest="agent_id", default=None,
+                    help="only records of this agent")
     ms.add_argument("--time-from", dest="time_from", default=None,
                     help="ISO 8601 with a timezone, e.g. 2026-11-29T00:00:00Z")
-    ms.add_argument("--time-to", dest="time_to", default=None)
+    ms.add_argument("--time-to", dest="time_to", default=None,
+                    help="up to this time (ISO 8601; store.time_boundary says if included)")
     ms.add_argument("--tag", action="append", default=None,
                     help="a record must carry one of the --tag values (repeatable)")
     ms.add_argument("--memory-type", dest="memory_type", default=None,
-                    choices=["turn", "message", "session"])
+                    choices=["turn", "message", "session"], help="only records of this kind")
     ms.add_argument("--query", default=None, help="full-text query (ranks the results)")
     ms.add_argument("--top-k", type=int, default=None, help="1..100 (store.search_top_k)")
     ms.add_argument("--cross-session", action="store_true",
                     help="search every session of this key's tenant")
     mg = add("get", "one record by memory_id")
-    mg.add_argument("memory_id")
+    mg.add_argument("memory_id", help="the id write printed")
     md = add("delete", "delete one record by memory_id (this key's tenant only)")
-    md.add_argument("memory_id")
+    md.add_argument("memory_id", help="the id write printed (only your own records)")
 
 
 # --------------------------------------------------------------------------- main

@@ -30,7 +30,8 @@ def effective_config(rules: Rules) -> dict[str, Any]:
     return {
         "memory": _memory(rules.memory, rules.carry_path),
         "upstreams": [_upstream(u) for u in rules.upstreams],
-        "listen": {"host": rules.listen_host, "port": rules.listen_port},
+        "listen": {"host": rules.listen_host, "port": rules.listen_port,
+                   "admin_port": rules.listen_admin_port, "admin_host": rules.listen_admin_host},
         "logging": {"format": rules.log_format, "level": rules.log_level},
         "limits": {"max_body_bytes": rules.max_body_bytes},
         "session": {"header": rules.session_header, "max_tracked": rules.max_tracked_sessions,
@@ -45,6 +46,8 @@ def effective_config(rules: Rules) -> dict[str, Any]:
         "tenants": {"credential_headers": list(t.credential_headers), "anonymous": t.anonymous,
                     "client_keys_sha256": sorted(t.client_keys_sha256),
                     "allow_any_client": t.allow_any_client},
+        "tracing": {"enabled": rules.tracing.enabled},
+        "console": _fields(rules.console, "enabled", "show_text", "max_sessions", "ring"),
     }
 
 
