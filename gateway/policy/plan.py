@@ -8,6 +8,7 @@ needs, so a history that clearly fits is never tokenized on the request path.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -542,6 +543,22 @@ def _run_stages(
 _FILL_MISSES = 32
 
 
+@dataclass(frozen=True, slots=True)
+class _Eligible:
+    """The groups the fill may bring back: dropped, of a complete turn (not turn 0, not
+    the current one). A membership test per group the query matches, not a set of the
+    whole dropped history built on every request."""
+
+    st: _State
+    end: int
+
+    def __contains__(self, g: object) -> bool:
+        if not isinstance(g, int) or not 0 <= g < self.end:
+            return False
+        d = self.st.decision[g]
+        return d is not None and d[0] == DROP and self.st.conv.groups[g].turn > 0
+
+
 def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     """Bring back dropped groups, most relevant to the current user message first (then
     the other dropped turns' opening messages), while they fit the whole budget; each
@@ -556,30 +573,31 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     if not query.strip():
         return
     idx = fill.index_history(conv, end, text_of)
+    # the system part's terms are every request's: they say nothing about what to recall
+    common = fill.common_terms("\n".join(text_of(i) for i in conv.fixed)) if conv.fixed else ()
 
     def dropped(g: int) -> bool:
         d = decision[g]
         return d is not None and d[0] == DROP
 
     max_turns = st.rules.limits.max_turns
-    kept_turns: set[int] = set()
-    eligible: set[int] = set()  # dropped groups of complete turns
-    for g, d in enumerate(decision):
-        if d is not None and groups[g].turn:
-            if d[0] == KEEP:
-                kept_turns.add(groups[g].turn)
-            elif g < end:
-                eligible.add(g)
-    turns = len(kept_turns)
+    turns = 0
+    if max_turns is not None:  # turns the stable part kept (the cap counts recalled ones too)
+        turns = len({groups[g].turn for g, d in enumerate(decision)
+                     if d is not None and d[0] == KEEP and groups[g].turn})
     mark = _mark(KEEP, "recalled")
-    ranked = fill.rank(idx, query, eligible)
+    eligible = _Eligible(st, end)  # dropped groups of complete turns, read per group
+    ranked = fill.rank(idx, query, eligible, common)
     # then what was asked in the other dropped turns, newest first: a turn's opening
     # message is short and says what the turn was for (BFCL, 4k: +0.5 points of the
-    # earlier user requests; LoCoMo: the ranked groups fill the budget before)
-    misses = 0  # candidates in a row that did not fit
+    # earlier user requests; LoCoMo: the ranked groups fill the budget before); walked
+    # lazily, so a long history is read only as far as the budget lasts
     seen = set(ranked)
-    ranked += [g for g in sorted(eligible, reverse=True) if groups[g].is_user and g not in seen]
-    for g in ranked:
+    candidates = itertools.chain(ranked, (g for g in range(end - 1, -1, -1)
+                                          if groups[g].is_user and g in eligible
+                                          and g not in seen))
+    misses = 0  # candidates in a row that did not fit
+    for g in candidates:
         a = st.anchor(g)
         if a is None or not dropped(g):
             continue
