@@ -36,21 +36,26 @@ def test_rank_prefers_rare_matching_terms_then_newer() -> None:
     idx = fill.index_history(conv, len(texts), texts.__getitem__)
     ranked = fill.rank(idx, "What is the name of the puppy?", range(4))
     assert ranked[0] == 1
-    # "the" is in every group: 3 and 2 (the weather) score by length, both above 0
-    assert fill.rank(idx, "weather", {0, 2, 3}) == [3, 2, 0]
+    # "weather" scores the shorter group higher (length normalisation)
+    scores = fill.bm25(idx, ["weather"], {0, 2, 3})
+    assert scores[3] > scores[2] > scores[0] > 0.0
+    # equal scores: the newer first
+    twins = ["a dog named rex", "a dog named rex"]
+    assert fill.rank(fill.index_history(conv_of(twins), 2, twins.__getitem__), "rex",
+                     range(2)) == [1, 0]
 
 
 def test_rank_neighbours_and_eligibility() -> None:
-    """A group next to an eligible match gets a share of its score; ineligible groups
-    never rank, nor lend their score to neighbours."""
+    """A group near an eligible match gets a share of its score, less the farther it is;
+    ineligible groups never rank, nor lend their score to neighbours."""
     texts = ["alpha", "zebra crossing", "reply", "gamma"]
     conv = conv_of(texts)
     idx = fill.index_history(conv, 4, texts.__getitem__)
     scores = fill.bm25(idx, fill.terms("zebra"), range(4))
     assert list(scores) == [1]
     ranked = fill.rank(idx, "zebra", range(4))
-    assert ranked[0] == 1 and set(ranked[1:]) == {0, 2}
-    assert fill.rank(idx, "zebra", {0, 1, 3}) == [1, 0]
+    assert ranked[0] == 1 and set(ranked[1:3]) == {0, 2} and ranked[3:] == [3]
+    assert fill.rank(idx, "zebra", {0, 1, 3}) == [1, 0, 3]
     assert fill.rank(idx, "zebra", {0, 2, 3}) == []
 
 
