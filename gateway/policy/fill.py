@@ -42,6 +42,13 @@ where why how this that these those there here not no nor so than too very can w
 would could should shall may might must about into over after before again further then
 once all any both each few more most other some such only own same don now up down out
 off""".split())
+# what one request's scoring reads, whatever the history's length (a warm request of a
+# growing session costs the same at 100 or 10,000 messages): the query's first terms
+# (as the store's search), and per term its newest groups; a term in more groups than
+# that is common (its idf, squared, adds little)
+MAX_QUERY_TERMS = 64
+MAX_POSTINGS = 128
+MAX_SPREAD = 128  # the best direct matches lend their neighbours a share
 _SUFFIXES = ("ing", "ed", "es", "s")
 _MEMO_KEY = "fill_index"
 
@@ -119,7 +126,8 @@ def query_terms(query: str, common: Container[str] = ()) -> list[str]:
     repeats; LoCoMo dev, within 300 tokens of fill: 43.0 -> 47.9%). All of them when
     nothing else is left."""
     distinct = list(dict.fromkeys(terms(query)))
-    return [t for t in distinct if t not in STOPWORDS and t not in common] or distinct
+    some = [t for t in distinct if t not in STOPWORDS and t not in common] or distinct
+    return some[:MAX_QUERY_TERMS]
 
 
 def common_terms(text: str) -> Mapping[str, int]:
@@ -129,7 +137,8 @@ def common_terms(text: str) -> Mapping[str, int]:
 
 def bm25(idx: Index, query: Sequence[str], eligible: Container[int]) -> dict[int, float]:
     """BM25 score (idf squared) of every eligible group that holds at least one of the
-    query's terms; reads only the groups that hold them."""
+    query's terms; reads only the groups that hold them, for each term its newest
+    MAX_POSTINGS."""
     n = idx.n
     if not n:
         return {}
@@ -142,7 +151,7 @@ def bm25(idx: Index, query: Sequence[str], eligible: Container[int]) -> dict[int
             continue
         df = len(hits)
         idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5)) ** IDF_POWER
-        for g in hits:
+        for g in hits[-MAX_POSTINGS:] if df > MAX_POSTINGS else hits:
             if g in eligible:
                 tf = words[g][term]
                 norm = K1 * (1.0 - B + B * lengths[g] / avg)
@@ -156,7 +165,9 @@ def rank(idx: Index, query: str, eligible: Container[int],
     to one that does, best first (ties: the newer)."""
     direct = bm25(idx, query_terms(query, common), eligible)
     scores = dict(direct)
-    for g, score in direct.items():
+    best = direct if len(direct) <= MAX_SPREAD else dict(
+        sorted(direct.items(), key=lambda kv: (-kv[1], -kv[0]))[:MAX_SPREAD])
+    for g, score in best.items():
         for d, share in enumerate(NEIGHBOURS, 1):
             for h in (g - d, g + d):
                 if h in eligible:

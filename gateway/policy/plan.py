@@ -8,9 +8,8 @@ needs, so a history that clearly fits is never tokenized on the request path.
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -339,6 +338,7 @@ def fit_length_budget(st: _State) -> None:
     cut = _stepped_cut(st, by_turn) if st.rules.low_water < 1.0 and turns else None
     st.fill_fallback = st.rules.low_water < 1.0 and bool(turns) and cut is None
     full = False
+    drop = _mark(DROP, "length")
     for turn in turns:
         gs = by_turn[turn]  # all undecided: their cost is the turn's
         if cut is not None:
@@ -350,8 +350,8 @@ def fit_length_budget(st: _State) -> None:
             st.keep_open(gs, "length", cost)
             continue
         full = True  # contiguous recency: nothing older than a turn that did not fit
-        for g in gs:
-            st.drop(g, "length")
+        for g in gs:  # undecided (st.drop without a call per group: a long history
+            decision[g] = drop  # drops thousands, twice with the fill)
 
 
 def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
@@ -575,11 +575,6 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     idx = fill.index_history(conv, end, text_of)
     # the system part's terms are every request's: they say nothing about what to recall
     common = fill.common_terms("\n".join(text_of(i) for i in conv.fixed)) if conv.fixed else ()
-
-    def dropped(g: int) -> bool:
-        d = decision[g]
-        return d is not None and d[0] == DROP
-
     max_turns = st.rules.limits.max_turns
     turns = 0
     if max_turns is not None:  # turns the stable part kept (the cap counts recalled ones too)
@@ -593,9 +588,23 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     # earlier user requests; LoCoMo: the ranked groups fill the budget before); walked
     # lazily, so a long history is read only as far as the budget lasts
     seen = set(ranked)
-    candidates = itertools.chain(ranked, (g for g in range(end - 1, -1, -1)
-                                          if groups[g].is_user and g in eligible
-                                          and g not in seen))
+    openings = (g for g in range(end - 1, -1, -1)
+                if groups[g].is_user and g in eligible and g not in seen)
+    for candidates in (ranked, openings):
+        # each list stops on its own: ranked groups too big to fit do not starve the
+        # short openings after them
+        turns = _fill_with(st, candidates, mark, turns)
+
+
+def _fill_with(st: _State, candidates: Iterable[int], mark: tuple[str, str], turns: int) -> int:
+    """Bring back the candidates (each with its turn's opening message) that fit, until
+    _FILL_MISSES in a row did not; the number of turns kept after it."""
+    decision, max_turns = st.decision, st.rules.limits.max_turns
+
+    def dropped(g: int) -> bool:
+        d = decision[g]
+        return d is not None and d[0] == DROP
+
     misses = 0  # candidates in a row that did not fit
     for g in candidates:
         a = st.anchor(g)
@@ -624,6 +633,7 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
         turns += new_turn
         if st.dropped_prefix[0] > gs[0]:  # no longer one dropped run
             st.dropped_prefix = (0, "")
+    return turns
 
 
 def plan(

@@ -10,7 +10,8 @@ history before each payload's current turn:
   share per result, averaged over results (a sum would be one 3,000-number list);
 - invalid: forwarded requests that break a tool call/result pair, do not start with a
   user message after the system part, or are not an ordered subsequence of the
-  original (a compacted tool result counts as its original);
+  original (a compacted tool result counts as its original) but for the recalled
+  history moved, in its own order, after the stable part;
 - over: requests over the budget although system + tools + current turn fit.
 
 With --sessions: each conversation replayed as a growing session (a request at every
@@ -81,19 +82,40 @@ def compacted(orig: dict[str, Any], m: dict[str, Any]) -> bool:
 
 
 def valid(orig: list[Any], sent: list[Any]) -> bool:
-    j = 0
-    for m in sent:  # an ordered subsequence; a compacted result matches its original
-        while j < len(orig) and orig[j] != m and not compacted(orig[j], m):
-            j += 1
-        if j == len(orig):
+    """Every sent item is a distinct original one (a compacted result matches its
+    original) in the original order, but for one move: the recalled history, itself in
+    order, forwarded after the stable part and before the current turn (one descent of
+    the original positions, at most); the first item after the system part is a user
+    message; every call answered and every result right after its call."""
+    at: list[int] = []
+    used: set[int] = set()
+    for m in sent:
+        j = next((j for j, o in enumerate(orig) if j not in used
+                  and (o == m or compacted(o, m))), None)
+        if j is None:
             return False
-        j += 1
+        used.add(j)
+        at.append(j)
+    if sum(b < a for a, b in zip(at, at[1:])) > 1:
+        return False
     rest = [m for m in sent if m["role"] != "system"]
     if not rest or rest[0]["role"] != "user":
         return False
     calls = {c["id"] for m in sent for c in m.get("tool_calls") or ()}
     answered = {m["tool_call_id"] for m in sent if m["role"] == "tool"}
-    return calls == answered
+    if calls != answered:
+        return False
+    pending: set[str] = set()
+    for m in sent:  # results come right after their call's assistant message
+        if m["role"] == "tool":
+            if m["tool_call_id"] not in pending:
+                return False
+            pending.discard(m["tool_call_id"])
+        else:
+            if pending:
+                return False
+            pending = {c["id"] for c in m.get("tool_calls") or ()}
+    return not pending
 
 
 def config(drop_unit: str, compact: bool, budget: int,
