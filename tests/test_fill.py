@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai import AsyncOpenAI
 
 from gateway.chat import decide
@@ -175,3 +179,42 @@ async def test_http_dropped_relevant_turn_comes_back(
     ev = (await gw.wait_mem(1))[-1]
     assert int(ev["recalled"]) >= 1 and int(ev["recalled_tokens"]) > 0
     assert int(ev["kept"]) == len(fwd)
+
+
+WORDS = ["rex", "puppy", "weather", "budget", "the", "what", "预算", "方案", "alpha", "zebra"]
+
+
+@given(texts=st.lists(st.lists(st.sampled_from(WORDS), max_size=6).map(" ".join),
+                      min_size=1, max_size=30),
+       query=st.lists(st.sampled_from(WORDS), min_size=1, max_size=5).map(" ".join),
+       cut=st.integers(0, 30), data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_index_grown_request_by_request_scores_as_one_built_at_once(
+        texts: list[str], query: str, cut: int, data: st.DataObject) -> None:
+    """The session's index, extended as the history grows, gives the same scores as an
+    index of the whole history built at once, and both as Okapi BM25 written out (idf
+    squared) over every group; rank returns each eligible group once, nothing else."""
+    n, cut = len(texts), min(cut, len(texts))
+    grown = conv_of(texts)
+    fill.index_history(grown, cut, texts.__getitem__)
+    idx = fill.index_history(grown, n, texts.__getitem__)
+    fresh = fill.index_history(conv_of(texts), n, texts.__getitem__)
+    eligible = set(data.draw(st.lists(st.integers(0, n - 1), max_size=n)))
+    q = fill.query_terms(query)
+    assert fill.bm25(idx, q, eligible) == fill.bm25(fresh, q, eligible)
+    words = [Counter(fill.terms(t)) for t in texts]
+    avg = sum(map(len, (fill.terms(t) for t in texts))) / n or 1.0
+    expect: dict[int, float] = {}
+    for term in q:
+        df = sum(term in w for w in words)
+        for g in sorted(eligible):
+            tf = words[g][term]
+            if tf:
+                idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5)) ** fill.IDF_POWER
+                norm = fill.K1 * (1.0 - fill.B + fill.B * sum(words[g].values()) / avg)
+                expect[g] = expect.get(g, 0.0) + idf * tf * (fill.K1 + 1.0) / (tf + norm)
+    got = fill.bm25(idx, q, eligible)
+    assert got.keys() == expect.keys()
+    assert all(math.isclose(got[g], expect[g]) for g in got)
+    ranked = fill.rank(idx, query, eligible)
+    assert len(ranked) == len(set(ranked)) and set(ranked) <= eligible

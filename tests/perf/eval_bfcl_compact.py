@@ -6,7 +6,8 @@ Per configuration (drop_unit turn / group, with and without compact_tools), over
 history before each payload's current turn:
 - requests kept: earlier user messages still forwarded (their text a substring of it);
 - tool content kept: of each tool result, its JSON string/number leaves (or non-empty
-  lines when it is not JSON) still substrings of the forwarded request's texts, as a
+  lines when it is not JSON) still substrings of the forwarded request's texts (or of
+  a forwarded result's own leaves: JSON escapes decoded), as a
   share per result, averaged over results (a sum would be one 3,000-number list);
 - invalid: forwarded requests that break a tool call/result pair, do not start with a
   user message after the system part, or are not an ordered subsequence of the
@@ -60,10 +61,15 @@ def leaves(text: str) -> list[str]:
 
 
 def texts(messages: list[Any]) -> str:
+    """The forwarded texts, and the leaves of each forwarded tool result as the model
+    reads them: a result kept whole whose JSON escapes a character ("\\u2019", "\\n")
+    holds that leaf, though not as a substring of its JSON text."""
     out = []
     for m in messages:
         if isinstance(m.get("content"), str):
             out.append(m["content"])
+            if m.get("role") == "tool":
+                out.extend(leaves(m["content"]))
         for c in m.get("tool_calls") or ():
             out.append(c["function"]["arguments"])
     return "\n".join(out)
