@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai import AsyncOpenAI
 
 from gateway.chat import decide
@@ -36,21 +40,26 @@ def test_rank_prefers_rare_matching_terms_then_newer() -> None:
     idx = fill.index_history(conv, len(texts), texts.__getitem__)
     ranked = fill.rank(idx, "What is the name of the puppy?", range(4))
     assert ranked[0] == 1
-    # "the" is in every group: 3 and 2 (the weather) score by length, both above 0
-    assert fill.rank(idx, "weather", {0, 2, 3}) == [3, 2, 0]
+    # "weather" scores the shorter group higher (length normalisation)
+    scores = fill.bm25(idx, ["weather"], {0, 2, 3})
+    assert scores[3] > scores[2] > scores[0] > 0.0
+    # equal scores: the newer first
+    twins = ["a dog named rex", "a dog named rex"]
+    assert fill.rank(fill.index_history(conv_of(twins), 2, twins.__getitem__), "rex",
+                     range(2)) == [1, 0]
 
 
 def test_rank_neighbours_and_eligibility() -> None:
-    """A group next to an eligible match gets a share of its score; ineligible groups
-    never rank, nor lend their score to neighbours."""
+    """A group near an eligible match gets a share of its score, less the farther it is;
+    ineligible groups never rank, nor lend their score to neighbours."""
     texts = ["alpha", "zebra crossing", "reply", "gamma"]
     conv = conv_of(texts)
     idx = fill.index_history(conv, 4, texts.__getitem__)
     scores = fill.bm25(idx, fill.terms("zebra"), range(4))
     assert list(scores) == [1]
     ranked = fill.rank(idx, "zebra", range(4))
-    assert ranked[0] == 1 and set(ranked[1:]) == {0, 2}
-    assert fill.rank(idx, "zebra", {0, 1, 3}) == [1, 0]
+    assert ranked[0] == 1 and set(ranked[1:3]) == {0, 2} and ranked[3:] == [3]
+    assert fill.rank(idx, "zebra", {0, 1, 3}) == [1, 0, 3]
     assert fill.rank(idx, "zebra", {0, 2, 3}) == []
 
 
@@ -170,3 +179,42 @@ async def test_http_dropped_relevant_turn_comes_back(
     ev = (await gw.wait_mem(1))[-1]
     assert int(ev["recalled"]) >= 1 and int(ev["recalled_tokens"]) > 0
     assert int(ev["kept"]) == len(fwd)
+
+
+WORDS = ["rex", "puppy", "weather", "budget", "the", "what", "预算", "方案", "alpha", "zebra"]
+
+
+@given(texts=st.lists(st.lists(st.sampled_from(WORDS), max_size=6).map(" ".join),
+                      min_size=1, max_size=30),
+       query=st.lists(st.sampled_from(WORDS), min_size=1, max_size=5).map(" ".join),
+       cut=st.integers(0, 30), data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_index_grown_request_by_request_scores_as_one_built_at_once(
+        texts: list[str], query: str, cut: int, data: st.DataObject) -> None:
+    """The session's index, extended as the history grows, gives the same scores as an
+    index of the whole history built at once, and both as Okapi BM25 written out (idf
+    squared) over every group; rank returns each eligible group once, nothing else."""
+    n, cut = len(texts), min(cut, len(texts))
+    grown = conv_of(texts)
+    fill.index_history(grown, cut, texts.__getitem__)
+    idx = fill.index_history(grown, n, texts.__getitem__)
+    fresh = fill.index_history(conv_of(texts), n, texts.__getitem__)
+    eligible = set(data.draw(st.lists(st.integers(0, n - 1), max_size=n)))
+    q = fill.query_terms(query)
+    assert fill.bm25(idx, q, eligible) == fill.bm25(fresh, q, eligible)
+    words = [Counter(fill.terms(t)) for t in texts]
+    avg = sum(map(len, (fill.terms(t) for t in texts))) / n or 1.0
+    expect: dict[int, float] = {}
+    for term in q:
+        df = sum(term in w for w in words)
+        for g in sorted(eligible):
+            tf = words[g][term]
+            if tf:
+                idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5)) ** fill.IDF_POWER
+                norm = fill.K1 * (1.0 - fill.B + fill.B * sum(words[g].values()) / avg)
+                expect[g] = expect.get(g, 0.0) + idf * tf * (fill.K1 + 1.0) / (tf + norm)
+    got = fill.bm25(idx, q, eligible)
+    assert got.keys() == expect.keys()
+    assert all(math.isclose(got[g], expect[g]) for g in got)
+    ranked = fill.rank(idx, query, eligible)
+    assert len(ranked) == len(set(ranked)) and set(ranked) <= eligible

@@ -201,8 +201,11 @@ async def test_burst_of_big_cold_histories_counted_on_one_thread(gateway: Any, u
 
     from .test_proxy import post_raw
 
-    gw = await gateway(memory={"enable_eviction": True, "shadow": False})
-    rules = make_rules({"enable_eviction": True})
+    # without the fill: its candidates are counted while it decides (on the loop), and
+    # in histories this short that is every message, leaving nothing to count off it
+    memory = {"enable_eviction": True, "eviction": {"recall_share": 0}}
+    gw = await gateway(memory={**memory, "shadow": False})
+    rules = make_rules(memory)
     bodies = []
     for k in range(4):
         msgs: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]

@@ -94,7 +94,9 @@ async def test_item_reference_pairs_evict_as_one(
 ) -> None:
     """A call sent as item_reference stands in for the call: reference and output are
     kept or dropped together and the rest of the history evicts normally."""
-    gw = await gateway(memory=EVICT)
+    # the stepped cut alone: kept items in the client's order (the fill would move the
+    # history it recalls after the stable part)
+    gw = await gateway(memory={**EVICT, "eviction": {"recall_share": 0}})
     items = referenced_history()
     async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=SECRET, max_retries=0) as c:
         await c.responses.create(model="gpt-4o-mini", input=items)  # type: ignore[arg-type]

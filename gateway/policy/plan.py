@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -344,6 +344,7 @@ def fit_length_budget(st: _State) -> None:
     cut = _stepped_cut(st, by_turn) if st.rules.low_water < 1.0 and turns else None
     st.fill_fallback = st.rules.low_water < 1.0 and bool(turns) and cut is None
     full = False
+    drop = _mark(DROP, "length")
     for turn in turns:
         gs = by_turn[turn]  # all undecided: their cost is the turn's
         if cut is not None:
@@ -355,8 +356,8 @@ def fit_length_budget(st: _State) -> None:
             st.keep_open(gs, "length", cost)
             continue
         full = True  # contiguous recency: nothing older than a turn that did not fit
-        for g in gs:
-            st.drop(g, "length")
+        for g in gs:  # undecided (st.drop without a call per group: a long history
+            decision[g] = drop  # drops thousands, twice with the fill)
 
 
 def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
@@ -548,6 +549,22 @@ def _run_stages(
 _FILL_MISSES = 32
 
 
+@dataclass(frozen=True, slots=True)
+class _Eligible:
+    """The groups the fill may bring back: dropped, of a complete turn (not turn 0, not
+    the current one). A membership test per group the query matches, not a set of the
+    whole dropped history built on every request."""
+
+    st: _State
+    end: int
+
+    def __contains__(self, g: object) -> bool:
+        if not isinstance(g, int) or not 0 <= g < self.end:
+            return False
+        d = self.st.decision[g]
+        return d is not None and d[0] == DROP and self.st.conv.groups[g].turn > 0
+
+
 def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     """Bring back dropped groups, most relevant to the current user message first (then
     the other dropped turns' opening messages), while they fit the whole budget; each
@@ -562,30 +579,40 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     if not query.strip():
         return
     idx = fill.index_history(conv, end, text_of)
+    # the system part's terms are every request's: they say nothing about what to recall
+    common = fill.common_terms("\n".join(text_of(i) for i in conv.fixed)) if conv.fixed else ()
+    max_turns = st.rules.limits.max_turns
+    turns = 0
+    if max_turns is not None:  # turns the stable part kept (the cap counts recalled ones too)
+        turns = len({groups[g].turn for g, d in enumerate(decision)
+                     if d is not None and d[0] == KEEP and groups[g].turn})
+    mark = _mark(KEEP, "recalled")
+    eligible = _Eligible(st, end)  # dropped groups of complete turns, read per group
+    ranked = fill.rank(idx, query, eligible, common)
+    # then what was asked in the other dropped turns, newest first: a turn's opening
+    # message is short and says what the turn was for (BFCL, 4k: +0.5 points of the
+    # earlier user requests; LoCoMo: the ranked groups fill the budget before); walked
+    # lazily, so a long history is read only as far as the budget lasts
+    seen = set(ranked)
+    openings = (g for g in range(end - 1, -1, -1)
+                if groups[g].is_user and g in eligible and g not in seen)
+    for candidates in (ranked, openings):
+        # each list stops on its own: ranked groups too big to fit do not starve the
+        # short openings after them
+        turns = _fill_with(st, candidates, mark, turns)
+
+
+def _fill_with(st: _State, candidates: Iterable[int], mark: tuple[str, str], turns: int) -> int:
+    """Bring back the candidates (each with its turn's opening message) that fit, until
+    _FILL_MISSES in a row did not; the number of turns kept after it."""
+    decision, max_turns = st.decision, st.rules.limits.max_turns
 
     def dropped(g: int) -> bool:
         d = decision[g]
         return d is not None and d[0] == DROP
 
-    max_turns = st.rules.limits.max_turns
-    kept_turns: set[int] = set()
-    eligible: set[int] = set()  # dropped groups of complete turns
-    for g, d in enumerate(decision):
-        if d is not None and groups[g].turn:
-            if d[0] == KEEP:
-                kept_turns.add(groups[g].turn)
-            elif g < end:
-                eligible.add(g)
-    turns = len(kept_turns)
-    mark = _mark(KEEP, "recalled")
-    ranked = fill.rank(idx, query, eligible)
-    # then what was asked in the other dropped turns, newest first: a turn's opening
-    # message is short and says what the turn was for (BFCL, 4k: +0.5 points of the
-    # earlier user requests; LoCoMo: the ranked groups fill the budget before)
     misses = 0  # candidates in a row that did not fit
-    seen = set(ranked)
-    ranked += [g for g in sorted(eligible, reverse=True) if groups[g].is_user and g not in seen]
-    for g in ranked:
+    for g in candidates:
         a = st.anchor(g)
         if a is None or not dropped(g):
             continue
@@ -612,6 +639,7 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
         turns += new_turn
         if st.dropped_prefix[0] > gs[0]:  # no longer one dropped run
             st.dropped_prefix = (0, "")
+    return turns
 
 
 def plan(

@@ -6,11 +6,13 @@ Per configuration (drop_unit turn / group, with and without compact_tools), over
 history before each payload's current turn:
 - requests kept: earlier user messages still forwarded (their text a substring of it);
 - tool content kept: of each tool result, its JSON string/number leaves (or non-empty
-  lines when it is not JSON) still substrings of the forwarded request's texts, as a
+  lines when it is not JSON) still substrings of the forwarded request's texts (or of
+  a forwarded result's own leaves: JSON escapes decoded), as a
   share per result, averaged over results (a sum would be one 3,000-number list);
 - invalid: forwarded requests that break a tool call/result pair, do not start with a
   user message after the system part, or are not an ordered subsequence of the
-  original (a compacted tool result counts as its original);
+  original (a compacted tool result counts as its original) but for the recalled
+  history moved, in its own order, after the stable part;
 - over: requests over the budget although system + tools + current turn fit.
 
 With --sessions: each conversation replayed as a growing session (a request at every
@@ -60,10 +62,15 @@ def leaves(text: str) -> list[str]:
 
 
 def texts(messages: list[Any]) -> str:
+    """The forwarded texts, and the leaves of each forwarded tool result as the model
+    reads them: a result kept whole whose JSON escapes a character ("\\u2019", "\\n")
+    holds that leaf, though not as a substring of its JSON text."""
     out = []
     for m in messages:
         if isinstance(m.get("content"), str):
             out.append(m["content"])
+            if m.get("role") == "tool":
+                out.extend(leaves(m["content"]))
         for c in m.get("tool_calls") or ():
             out.append(c["function"]["arguments"])
     return "\n".join(out)
@@ -82,19 +89,40 @@ def compacted(orig: dict[str, Any], m: dict[str, Any]) -> bool:
 
 
 def valid(orig: list[Any], sent: list[Any]) -> bool:
-    j = 0
-    for m in sent:  # an ordered subsequence; a compacted result matches its original
-        while j < len(orig) and orig[j] != m and not compacted(orig[j], m):
-            j += 1
-        if j == len(orig):
+    """Every sent item is a distinct original one (a compacted result matches its
+    original) in the original order, but for one move: the recalled history, itself in
+    order, forwarded after the stable part and before the current turn (one descent of
+    the original positions, at most); the first item after the system part is a user
+    message; every call answered and every result right after its call."""
+    at: list[int] = []
+    used: set[int] = set()
+    for m in sent:
+        j = next((j for j, o in enumerate(orig) if j not in used
+                  and (o == m or compacted(o, m))), None)
+        if j is None:
             return False
-        j += 1
+        used.add(j)
+        at.append(j)
+    if sum(b < a for a, b in zip(at, at[1:])) > 1:
+        return False
     rest = [m for m in sent if m["role"] != "system"]
     if not rest or rest[0]["role"] != "user":
         return False
     calls = {c["id"] for m in sent for c in m.get("tool_calls") or ()}
     answered = {m["tool_call_id"] for m in sent if m["role"] == "tool"}
-    return calls == answered
+    if calls != answered:
+        return False
+    pending: set[str] = set()
+    for m in sent:  # results come right after their call's assistant message
+        if m["role"] == "tool":
+            if m["tool_call_id"] not in pending:
+                return False
+            pending.discard(m["tool_call_id"])
+        else:
+            if pending:
+                return False
+            pending = {c["id"] for c in m.get("tool_calls") or ()}
+    return not pending
 
 
 def config(drop_unit: str, compact: bool, budget: int,
