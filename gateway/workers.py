@@ -155,7 +155,7 @@ class Supervisor:
         """0 after a drain on SIGTERM/SIGINT, 1 after a crash loop."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
+            loop.add_signal_handler(sig, self.stop)
         loop.add_signal_handler(signal.SIGHUP, self._signal_all, signal.SIGHUP)
         keepers = [asyncio.create_task(self._keep(i)) for i in range(self.n)]
         try:
@@ -171,6 +171,10 @@ class Supervisor:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
         return 1 if self.crashed else 0
+
+    def stop(self) -> None:
+        """Drain every worker and return from run() (what SIGTERM does)."""
+        self._stop.set()
 
     def _signal_all(self, sig: int) -> None:
         for proc in self.procs.values():
