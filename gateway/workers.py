@@ -239,7 +239,12 @@ def supervise(reserved: socket.socket, command: Callable[[int], list[str]], n: i
     """Run `n` workers on the port `reserved` holds (see reserve_port) until SIGTERM."""
     from prometheus_client import multiprocess
 
-    shared = metrics_dir()
+    try:
+        shared = metrics_dir()
+    except OSError as exc:  # a read-only root filesystem without a writable TMPDIR
+        log.error("workers_not_started", reason=f"no writable temporary directory: {exc}")
+        reserved.close()
+        return 2
     try:
         host, port = reserved.getsockname()[:2]
         log.info("workers", n=n, host=host, port=port)
