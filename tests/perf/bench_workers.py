@@ -146,12 +146,16 @@ def main() -> None:
         print(f"payload {payload.stat().st_size} bytes ({args.messages} messages), "
               f"c={args.connections}, {args.rounds} rounds x {args.seconds:g} s, "
               f"{len(os.sched_getaffinity(0))} CPUs, eviction on")
-        print(f"{'target':<14} {'req/s':>8} {'cpu us/req':>11} {'rps/pt':>7} {'cpu/pt':>7}")
+        # cores = req/s x CPU per request: well under the worker count means the target was
+    # starved (a shared box) or waited, not CPU-bound: then req/s ratios say little
+    print(f"{'target':<14} {'req/s':>8} {'cpu us/req':>11} {'rps/pt':>7} {'cpu/pt':>7} "
+          f"{'cores':>6}")
         med = {t: (statistics.median(x for x, _ in v), statistics.median(c for _, c in v))
                for t, v in runs.items()}
         pt_rps, pt_cpu = med["passthrough"]
         for t, (rps, cpu) in med.items():
-            print(f"{t:<14} {rps:>8.0f} {cpu:>11.0f} {rps / pt_rps:>7.2f} {cpu / pt_cpu:>7.2f}")
+            print(f"{t:<14} {rps:>8.0f} {cpu:>11.0f} {rps / pt_rps:>7.2f} {cpu / pt_cpu:>7.2f} "
+                  f"{rps * cpu / 1e6:>6.2f}")
         one, two = med["memgate-1w"], med["memgate-2w"]
         print(f"\n2 workers / 1 worker: req/s {two[0] / one[0]:.2f}x, "
               f"CPU per request {two[1] / one[1]:.2f}x")
