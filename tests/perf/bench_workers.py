@@ -147,9 +147,9 @@ def main() -> None:
               f"c={args.connections}, {args.rounds} rounds x {args.seconds:g} s, "
               f"{len(os.sched_getaffinity(0))} CPUs, eviction on")
         # cores = req/s x CPU per request: well under the worker count means the target was
-    # starved (a shared box) or waited, not CPU-bound: then req/s ratios say little
-    print(f"{'target':<14} {'req/s':>8} {'cpu us/req':>11} {'rps/pt':>7} {'cpu/pt':>7} "
-          f"{'cores':>6}")
+        # starved (a shared box) or waited, not CPU-bound: then req/s ratios say little
+        print(f"{'target':<14} {'req/s':>8} {'cpu us/req':>11} {'rps/pt':>7} {'cpu/pt':>7} "
+              f"{'cores':>6}")
         med = {t: (statistics.median(x for x, _ in v), statistics.median(c for _, c in v))
                for t, v in runs.items()}
         pt_rps, pt_cpu = med["passthrough"]
