@@ -279,3 +279,25 @@ def test_parse_workers(text: str, expected: int | None) -> None:
 def test_auto_is_the_cpus_this_process_may_use() -> None:
     """`auto` counts the CPUs of this process's affinity mask, never more."""
     assert 1 <= available_cpus() <= len(os.sched_getaffinity(0))
+
+
+def test_metrics_dir_is_fresh_and_leftovers_of_dead_gateways_go(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new private directory each start; one left by a gateway that was killed is
+    removed, one of a gateway still running is kept."""
+    import subprocess
+
+    from gateway.workers import metrics_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = tmp_path / f"memgate-metrics-{gone.stdout.strip()}-abc"
+    alive = tmp_path / f"memgate-metrics-{os.getppid()}-def"
+    for d in (dead, alive):
+        d.mkdir()
+        (d / "counter_1.db").write_bytes(b"x")
+    fresh = metrics_dir()
+    assert fresh.parent == tmp_path and fresh.is_dir() and not list(fresh.iterdir())
+    assert (fresh.stat().st_mode & 0o777) == 0o700
+    assert not dead.exists() and alive.exists()
