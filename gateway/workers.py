@@ -204,6 +204,8 @@ class Supervisor:
             refused = False
             proc = await asyncio.create_subprocess_exec(*self.command(index), env=self.env)
             self.procs[index] = proc
+            if self._stop.is_set():  # started while the others were told to stop
+                proc.terminate()
             started = time.monotonic()
             self.log.info("worker_started", worker=index, pid=proc.pid)
             code = await proc.wait()
