@@ -158,7 +158,7 @@ def _supervise(args: argparse.Namespace, config: Path | None, env: Mapping[str, 
         try:
             load_rules(config, env)
             return True
-        except RulesError:
+        except Exception:  # noqa: BLE001 - an unreadable file too, as the reloader sees it
             return False
 
     return mp.supervise(reserved, lambda i: [*command, "--worker", str(i)], workers, log,

@@ -126,6 +126,13 @@ def main() -> None:
             targets[f"memgate-{n}w"] = Proc(
                 [py, "-m", "gateway", "serve", "--port", str(port), "--upstream", upstream,
                  "--workers", str(n)], port, env, log=tmp / f"memgate-{n}w.log")
+        # one process writing its metrics as a worker does (shared files): what of a worker's
+        # CPU per request is the multiprocess metrics, what is running two at once
+        (tmp / "mp").mkdir()
+        port = free_port()
+        targets["memgate-1w-mpfiles"] = Proc(
+            [py, "-m", "gateway", "serve", "--port", str(port), "--upstream", upstream], port,
+            {**env, "PROMETHEUS_MULTIPROC_DIR": str(tmp / "mp")}, log=tmp / "memgate-mp.log")
         procs += targets.values()
         time.sleep(8)  # every worker listening (the port answers once the first one does)
         for proc in targets.values():  # warm-up: tokenizers, caches, connection pools
@@ -148,17 +155,18 @@ def main() -> None:
               f"{len(os.sched_getaffinity(0))} CPUs, eviction on")
         # cores = req/s x CPU per request: well under the worker count means the target was
         # starved (a shared box) or waited, not CPU-bound: then req/s ratios say little
-        print(f"{'target':<14} {'req/s':>8} {'cpu us/req':>11} {'rps/pt':>7} {'cpu/pt':>7} "
+        print(f"{'target':<18} {'req/s':>8} {'cpu us/req':>11} {'rps/pt':>7} {'cpu/pt':>7} "
               f"{'cores':>6}")
         med = {t: (statistics.median(x for x, _ in v), statistics.median(c for _, c in v))
                for t, v in runs.items()}
         pt_rps, pt_cpu = med["passthrough"]
         for t, (rps, cpu) in med.items():
-            print(f"{t:<14} {rps:>8.0f} {cpu:>11.0f} {rps / pt_rps:>7.2f} {cpu / pt_cpu:>7.2f} "
+            print(f"{t:<18} {rps:>8.0f} {cpu:>11.0f} {rps / pt_rps:>7.2f} {cpu / pt_cpu:>7.2f} "
                   f"{rps * cpu / 1e6:>6.2f}")
         one, two = med["memgate-1w"], med["memgate-2w"]
         print(f"\n2 workers / 1 worker: req/s {two[0] / one[0]:.2f}x, "
-              f"CPU per request {two[1] / one[1]:.2f}x")
+              f"CPU per request {two[1] / one[1]:.2f}x (of which the shared metric files: "
+              f"{med['memgate-1w-mpfiles'][1] / one[1]:.2f}x)")
         for name in targets:
             w = [x for t, x, _ in load if t == name]
             u = [y for t, _, y in load if t == name]
