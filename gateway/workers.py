@@ -87,10 +87,20 @@ def reserve_port(host: str, port: int) -> socket.socket | None:
     return sock
 
 
+def metrics_base() -> Path:
+    """Where the metric files go: $TMPDIR if set, else /dev/shm when writable (memory:
+    every request writes them, and dirty pages of a disk-backed file cost writeback),
+    else the system's temp dir."""
+    shm = Path("/dev/shm")
+    if not os.environ.get("TMPDIR") and shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
 def metrics_dir() -> Path:
     """A fresh private directory for the workers' metric files; left-overs of gateways
     that are gone (killed before they could remove theirs) are removed first."""
-    tmp = Path(tempfile.gettempdir())
+    tmp = metrics_base()
     for old in tmp.glob(f"{_DIR_PREFIX}*"):
         try:
             pid = int(old.name[len(_DIR_PREFIX):].split("-", 1)[0])
@@ -104,7 +114,7 @@ def metrics_dir() -> Path:
         except (ValueError, OSError):
             continue
         shutil.rmtree(old, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-"))
+    return Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=tmp))
 
 
 def watch_parent(stop: asyncio.Event, interval_s: float = 1.0) -> asyncio.Task[None]:

@@ -19,7 +19,8 @@ import orjson
 import pytest
 import structlog
 
-from gateway.workers import MAX_WORKERS, Supervisor, available_cpus, parse_workers
+from gateway.workers import (MAX_WORKERS, Supervisor, available_cpus, metrics_base,
+                             parse_workers)
 
 from .conftest import ROOT, SECRET, Upstream, sample, write_config
 from .perf.bench_gateway import free_port
@@ -159,7 +160,7 @@ async def test_workers_share_the_port_the_metrics_and_the_config(upstream: Upstr
 
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
-        assert not list(Path(tempfile.gettempdir()).glob(f"memgate-metrics-{proc.pid}-*"))
+        assert not list(metrics_base().glob(f"memgate-metrics-{proc.pid}-*"))
         assert SECRET not in log.read_text()
     finally:
         if proc.returncode is None:
@@ -289,7 +290,8 @@ def test_metrics_dir_is_fresh_and_leftovers_of_dead_gateways_go(
 
     from gateway.workers import metrics_dir
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # $TMPDIR wins over /dev/shm
+    monkeypatch.setattr(tempfile, "tempdir", None)  # not cached from before
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     dead = tmp_path / f"memgate-metrics-{gone.stdout.strip()}-abc"

@@ -128,11 +128,14 @@ def main() -> None:
                  "--workers", str(n)], port, env, log=tmp / f"memgate-{n}w.log")
         # one process writing its metrics as a worker does (shared files): what of a worker's
         # CPU per request is the multiprocess metrics, what is running two at once
-        (tmp / "mp").mkdir()
+        sys.path.insert(0, str(root))
+        from gateway.workers import metrics_dir
+
+        mp = metrics_dir()  # where --workers puts them
         port = free_port()
         targets["memgate-1w-mpfiles"] = Proc(
             [py, "-m", "gateway", "serve", "--port", str(port), "--upstream", upstream], port,
-            {**env, "PROMETHEUS_MULTIPROC_DIR": str(tmp / "mp")}, log=tmp / "memgate-mp.log")
+            {**env, "PROMETHEUS_MULTIPROC_DIR": str(mp)}, log=tmp / "memgate-mp.log")
         procs += targets.values()
         time.sleep(8)  # every worker listening (the port answers once the first one does)
         for proc in targets.values():  # warm-up: tokenizers, caches, connection pools
@@ -180,7 +183,8 @@ def main() -> None:
                     p.p.wait(40)
                 except subprocess.TimeoutExpired:
                     os.killpg(p.p.pid, signal.SIGKILL)
-        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+        subprocess.run(["rm", "-rf", str(tmp), *(str(d) for d in Path("/dev/shm").glob(
+            f"memgate-metrics-{os.getpid()}-*"))], check=False)
 
 
 if __name__ == "__main__":
