@@ -200,6 +200,9 @@ def create_app(
         memory = state.memory
         assert memory is not None
         archiver = asyncio.create_task(memory.run_writer(state.rules.store, state.archive_health))
+        # one of several workers: its scrape-time values reach the other workers' scrapes
+        publisher = (asyncio.create_task(state.metrics.publish_every())
+                     if state.metrics.shared_dir else None)
         loop = asyncio.get_running_loop()
         hup = False
         try:
@@ -217,7 +220,7 @@ def create_app(
             state.counting.shutdown(wait=False)
             await state.capture.drain()  # nothing captured is lost on a clean shutdown
             await memory.close()  # archived turns flushed before the store closes
-            for task in (watcher, writer, archiver):
+            for task in (watcher, writer, archiver, publisher):
                 if task is not None:
                     task.cancel()
                     try:
@@ -226,6 +229,7 @@ def create_app(
                         pass
             await state.pool.close()
             await state.sessions.close()
+            state.metrics.publish()  # a drained worker's last figures stay in the totals
             if state.tracing is not None:  # the spans of the requests above exported
                 await state.tracing.shutdown()
 

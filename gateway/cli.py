@@ -99,24 +99,36 @@ def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
 # --------------------------------------------------------------------------- serve
 
 
-async def serve_forever(app: Any, host: str, port: int, log: Any, drain_s: float = 30.0) -> int:
+async def listen(runner: Any, host: str, port: int, reuse_port: bool = False) -> Any:
+    """Start one listening site of `runner` (every listener of a worker shares its port
+    with the other workers: reuse_port)."""
     from aiohttp import web
 
+    site = web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
+    await site.start()
+    return site
+
+
+async def serve_forever(app: Any, host: str, port: int, log: Any, drain_s: float = 30.0,
+                        worker: int | None = None) -> int:
     from .httpserver import GatewayRunner
     from .listeners import ADMIN_LISTEN, start_admin_site
 
     runner = GatewayRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=drain_s)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
     try:
-        await site.start()
+        site = await listen(runner, host, port, reuse_port=worker is not None)
     except OSError as exc:
         await runner.cleanup()
         raise listen_error(host, port, exc) from None
     port = bound_port(site, port)
     admin = app.get(ADMIN_LISTEN)  # listen.admin_port: /metrics and /admin/* move there
-    await start_admin_site(runner, site, admin)
+    try:
+        await start_admin_site(runner, site, admin)
+    except OSError as exc:
+        await runner.cleanup()
+        raise listen_error(admin[0], admin[1], exc) from None
     # request-sized object trees are short-lived: keep start-up objects out of every GC pass
     gc.collect()
     gc.freeze()
@@ -124,9 +136,15 @@ async def serve_forever(app: Any, host: str, port: int, log: Any, drain_s: float
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("listening", host=host, port=port,
+    if worker is not None:
+        from .workers import watch_parent
+
+        orphaned = watch_parent(stop)
+    log.info("listening", host=host, port=port, pid=os.getpid(),
              **({"admin_host": admin[0], "admin_port": admin[1]} if admin else {}))
     await stop.wait()
+    if worker is not None:
+        orphaned.cancel()
     log.info("shutting_down", drain_s=drain_s)
     await runner.cleanup()
     return 0
@@ -145,20 +163,70 @@ def cmd_serve(args: argparse.Namespace) -> int:
     problem = missing_env(rules, env)
     if problem is not None:
         raise problem
+    if args.worker is not None:
+        mglog.set_process_fields(worker=args.worker)
     mglog.configure(rules.log_format, rules.log_level)
     log = mglog.get_logger()
     log.info("config_loaded", file=rules.source, mode=rules.memory.mode,
              models_file=rules.models_path, carry_file=rules.carry_path,
              upstreams=",".join(f"{u.name}={u.base_url}" for u in rules.upstreams))
-    app = create_app(rules, config, env)
     host = args.host or rules.listen_host
     port = args.port if args.port is not None else rules.listen_port
     if port == rules.listen_admin_port:
         print(f"memgate: --port {port} is listen.admin_port too: give each its own port",
               file=sys.stderr)
         return 2
+    workers = _workers_or_exit(args.workers or env.get("MEMGATE_WORKERS") or "1")
+    if workers > 1 and args.worker is None:
+        code = _supervise(args, config, env, host, port, workers, log)
+        if code is not None:
+            return code
+    app = create_app(rules, config, env)
     gc.set_threshold(50_000, 20, 20)
-    return run_async(lambda: serve_forever(app, host, port, log, args.drain_s))
+    return run_async(lambda: serve_forever(app, host, port, log, args.drain_s, args.worker))
+
+
+def _workers_or_exit(text: str) -> int:
+    from .workers import parse_workers
+
+    try:
+        return parse_workers(text)
+    except ValueError as exc:
+        print(f"memgate serve: --workers / MEMGATE_WORKERS: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _supervise(args: argparse.Namespace, config: Path | None, env: Mapping[str, str],
+               host: str, port: int, workers: int, log: Any) -> int | None:
+    """Run `workers` copies of this command as workers (None: the OS cannot share a port,
+    serve in this process)."""
+    from . import workers as mp
+
+    try:
+        reserved = mp.reserve_port(host, port)
+    except OSError as exc:
+        print(f"memgate serve: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        return 2
+    if reserved is None:
+        log.warning("workers_unsupported", wanted=workers, serving=1,
+                    reason="no SO_REUSEPORT on this OS: one process serves")
+        return None
+    command = [sys.executable, "-m", "gateway", "serve", "--host", host,
+               "--drain-s", str(args.drain_s)]
+    for flag, value in (("--config", config and config.resolve()), ("--upstream", args.upstream),
+                        ("--anthropic-upstream", args.anthropic_upstream)):
+        if value:
+            command += [flag, str(value)]
+
+    def loads() -> bool:  # a worker is restarted with the config only while it loads
+        try:
+            load_rules(config, env)
+            return True
+        except Exception:  # noqa: BLE001 - an unreadable file too, as the reloader sees it
+            return False
+
+    return mp.supervise(reserved, lambda i: [*command, "--worker", str(i)], workers, log,
+                        args.drain_s, loads)
 
 
 # --------------------------------------------------------------------------- check-config
@@ -599,6 +667,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, how long in-flight requests and streams may finish (30)")
     s.add_argument("--anthropic-upstream",
                    help="Anthropic upstream base URL (= MEMGATE_ANTHROPIC_UPSTREAM)")
+    s.add_argument("--workers", default=None,
+                   help="processes accepting on the port: a number or 'auto' (the CPUs this "
+                        "process may use); default MEMGATE_WORKERS or 1")
+    s.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # set by the parent
     s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="gateway + mock upstream + samples, offline")

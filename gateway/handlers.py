@@ -218,7 +218,11 @@ def intercept(wire: Wire) -> Handler:
                 up = None if rules.routes_by_model else rules.upstream_for(request.path)
                 if up is not None:
                     _admit(rules, up, request)
+                before_body = time.perf_counter() - t0
                 raw = await read_body(request, rules.max_body_bytes)
+                # the upload is the client's time, not the gateway's: a client sending at
+                # 20 KB/s would otherwise show seconds of overhead_ms
+                t0 = time.perf_counter() - before_body
                 if up is not None and _unchangeable(state, rules, wire, raw):
                     # nothing a decision could change: the client's bytes go upstream now,
                     # the measuring and the [mem] line follow the response

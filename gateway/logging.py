@@ -33,6 +33,20 @@ _SKIP = frozenset({"event", "level", "timestamp"})
 # other is written as an ASCII-only JSON string: a client's CR, LF, ESC, NEL, U+2028 or
 # bidi override cannot start a line of its own or repaint the terminal (log forging)
 _QUOTED = re.compile(r'[^!-~]|["=]')
+# fields every line of this process carries (`worker=1` under `serve --workers N`): set
+# before configure(), kept across the reconfigure a reload does
+_PROCESS_FIELDS: dict[str, Any] = {}
+
+
+def set_process_fields(**fields: Any) -> None:
+    """Fields added to every log line of this process from the next configure() on."""
+    _PROCESS_FIELDS.clear()
+    _PROCESS_FIELDS.update(fields)
+
+
+def _add_process_fields(_l: Any, _n: str, ev: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    ev.update(_PROCESS_FIELDS)
+    return ev
 
 
 def _value(v: Any) -> str:
@@ -104,6 +118,8 @@ def configure(
     """
     renderer: Any = JsonRenderer() if fmt == "json" else ConsoleRenderer()
     processors: list[Any] = [structlog.processors.add_log_level]
+    if _PROCESS_FIELDS:
+        processors.append(_add_process_fields)
     if sink is not None:
 
         def capture(_l: Any, _n: str, ev: MutableMapping[str, Any]) -> MutableMapping[str, Any]:

@@ -4,17 +4,28 @@ reload result, a models-file glob — never a session id or a model name a clien
 No `_created` series (one per labelled child: they double the scrape and no query of
 ours reads them), the process's own CPU/memory/fds (ProcessCollector on this registry),
 and the children of every bounded label set exist at 0 from the start: a `rate()` or a
-ratio over a counter that has not been incremented yet reads 0, not "no data"."""
+ratio over a counter that has not been incremented yet reads 0, not "no data".
+
+Under `memgate serve --workers N` every worker writes its counters and histograms to
+prometheus_client's per-process files in PROMETHEUS_MULTIPROC_DIR (set by the parent for
+the workers only) and a scrape of any worker sums every worker's files: one target. The
+values read at scrape time from in-process objects (history cache, backends) are copied
+into those files once a second and at each scrape of that worker, so another worker's
+figures there may be up to a second old.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     PlatformCollector,
     ProcessCollector,
@@ -73,9 +84,18 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, shared_dir: str | None = None) -> None:
         # process-wide in prometheus_client (we own the process): no `_created` samples
         disable_created_metrics()  # type: ignore[no-untyped-call]
+        # the workers' shared directory (None: one process, everything in this registry)
+        self.shared_dir = shared_dir or os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+        self._mirrors: list[_Mirror] = []
+        self._all: CollectorRegistry | None = None
+        if self.shared_dir is not None:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            self._all = CollectorRegistry()
+            MultiProcessCollector(self._all, path=self.shared_dir)  # type: ignore[no-untyped-call]
         r = self.registry = CollectorRegistry()
         ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
         PlatformCollector(registry=r)  # python_info: which interpreter serves
@@ -139,11 +159,28 @@ class Metrics:
 
     def watch_history(self, cache: HistoryCache) -> None:
         """Export the per-session history cache: hits, misses, entries, estimated bytes."""
-        self.registry.register(_HistoryCollector(cache))
+        self._watch(_HistoryCollector(cache))
 
     def watch_backends(self, backends: list[Backend]) -> None:
-        """Export each backend's failures by operation, skipped calls and breaker state."""
-        self.registry.register(_BackendCollector(backends))
+        """Export each backend's failures by operation, skipped calls and breaker state
+        (with several workers: `up` is the lowest of the live workers')."""
+        self._watch(_BackendCollector(backends), {"memgate_backend_up": "livemin"})
+
+    def _watch(self, collector: _Collector, modes: dict[str, str] | None = None) -> None:
+        if self.shared_dir is None:
+            self.registry.register(collector)
+        else:
+            self._mirrors.append(_Mirror(collector, modes or {}))
+
+    def publish(self) -> None:
+        """Copy this worker's scrape-time values into the shared files (workers only)."""
+        for mirror in self._mirrors:
+            mirror.publish()
+
+    async def publish_every(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.publish()
 
     def _route(self, route: str) -> _Route:
         r = self._routes.get(route)
@@ -206,7 +243,10 @@ class Metrics:
         self.relayed.labels(route_class, str(status or 499)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._all is None:
+            return generate_latest(self.registry)
+        self.publish()
+        return generate_latest(self._all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,3 +310,46 @@ class _BackendCollector:
         yield errors
         yield skipped
         yield up
+
+
+class _Collector(Protocol):
+    def collect(self) -> Iterator[Metric]: ...
+
+
+class _Mirror:
+    """A collector's counters and gauges as per-process metrics of the shared directory:
+    a counter grows by what it grew since the last copy (a dead worker's count stays in
+    the sum, as the request counters' do); a gauge is summed over the live workers
+    unless `modes` says otherwise (the parent removes a dead worker's gauges)."""
+
+    def __init__(self, collector: _Collector, modes: dict[str, str]) -> None:
+        self.collector = collector
+        self.modes: dict[str, Any] = modes  # name -> prometheus_client multiprocess_mode
+        self._metrics: dict[str, Any] = {}
+        self._last: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def publish(self) -> None:
+        for family in self.collector.collect():
+            for sample in family.samples:
+                labels = tuple(sample.labels.values())
+                metric = self._metric(family, tuple(sample.labels))
+                child = metric.labels(*labels) if labels else metric
+                if family.type == "counter":
+                    key = (family.name, labels)
+                    grew = sample.value - self._last.get(key, 0.0)
+                    if grew > 0:
+                        child.inc(grew)
+                        self._last[key] = sample.value
+                else:
+                    child.set(sample.value)
+
+    def _metric(self, family: Metric, labelnames: tuple[str, ...]) -> Any:
+        metric = self._metrics.get(family.name)
+        if metric is None:  # registry=None: the shared files are what a scrape reads
+            if family.type == "counter":
+                metric = Counter(family.name, family.documentation, labelnames, registry=None)
+            else:
+                metric = Gauge(family.name, family.documentation, labelnames, registry=None,
+                               multiprocess_mode=self.modes.get(family.name, "livesum"))
+            self._metrics[family.name] = metric
+        return metric
