@@ -44,11 +44,22 @@ HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer sk-bench
 
 
 def overheads(proc: Proc, since: int) -> list[float]:
+    """`overhead_ms` of the [mem] lines written after byte `since` of the log (the last
+    ones follow their responses: waited for briefly)."""
     assert proc.log is not None
+    time.sleep(0.2)
     with proc.log.open("rb") as f:
         f.seek(since)
-        return [ev["overhead_ms"] for ev in map(orjson.loads, f.read().splitlines())
-                if ev.get("event") == "mem"]
+        lines = f.read().splitlines()
+    out = []
+    for line in lines:
+        try:
+            ev = orjson.loads(line)
+        except orjson.JSONDecodeError:  # a line still being written
+            continue
+        if ev.get("event") == "mem":
+            out.append(float(ev["overhead_ms"]))
+    return out
 
 
 def rss_mb(proc: Proc) -> float:
