@@ -20,6 +20,7 @@ from .backends import BackendDown, iso_utc
 from .capture import record as capture_record
 from .chat import Decision, decide
 from .errors import ApiFlavor, BadPath, GatewayError, PayloadTooLarge, Unauthorized, render_error
+from .history import HistoryCache
 from .inflate import Inflater
 from .metrics import route_class
 from .recall import OPEN_TIMEOUT_S, RECALL_TIMEOUT_S, GuardedStore, archive_records, recall
@@ -275,7 +276,8 @@ def intercept(wire: Wire) -> Handler:
                 inline = measuring.done()
             else:  # measured here: with shared state or a big count it awaits
                 inline = state.sessions.backend == "memory" and (
-                    d is None or d.uncounted_chars() <= OFFLOAD_CHARS)
+                    d is None or d.uncounted_chars() <= OFFLOAD_CHARS
+                    or "thread" in rules.shortcuts_off)
             if inline:
                 await account  # never yields: nothing to cancel
             else:
@@ -293,6 +295,12 @@ def intercept(wire: Wire) -> Handler:
     return handle
 
 
+def _history(state: GatewayState, rules: Rules) -> HistoryCache | None:
+    """The history cache, unless configured off (history_cache_mb: 0) or switched off
+    (MEMGATE_SHORTCUTS_OFF=history)."""
+    return None if "history" in rules.shortcuts_off else state.history_cache
+
+
 def _fallback_body(rules: Rules, d: Decision) -> bytes | None:
     """The client's bytes to resend if the upstream refuses the changed body (None: the
     body goes unchanged, or memory.fallback_original is off)."""
@@ -307,10 +315,11 @@ def _unchangeable(state: GatewayState, rules: Rules, wire: Wire, raw: bytes) -> 
     (which is stripped; an escaped ASCII character could spell its key, so any \\u00XX
     escape takes the normal path too). A session's resent history was searched when it
     was first seen: only what follows it is searched again."""
-    if rules.memory.mode == "on" or rules.routes_by_model:
+    if rules.memory.mode == "on" or rules.routes_by_model or "deferred" in rules.shortcuts_off:
         return False
-    history = state.history_cache
-    start = history.unmarked_from(raw, wire) if history is not None else 0
+    history = _history(state, rules)
+    start = (history.unmarked_from(raw, wire)
+             if history is not None and "splice" not in rules.shortcuts_off else 0)
     return splice.unmarked(raw, start)
 
 
@@ -319,10 +328,10 @@ def _decide(
     tenant: str | None,
 ) -> tuple[Decision, str]:
     """Parse and plan one body; (decision, session id)."""
-    history = state.history_cache
+    history = _history(state, rules)
     src = None  # the session's earlier body this one was spliced from
     try:
-        if history is not None:
+        if history is not None and "splice" not in rules.shortcuts_off:
             payload, src = history.loads(raw, wire)
         else:
             payload = orjson.loads(raw)
@@ -376,7 +385,7 @@ async def _with_recall(
     if not recalled:
         return d, store.failed
     again = decide(d.raw, d.payload, rules, state.tokenizers, wire, recalled=recalled,
-                   history=state.history_cache, key=(tenant, session), default_model=d.model,
+                   history=_history(state, rules), key=(tenant, session), default_model=d.model,
                    archive_in=_archive_in(state, rules, tenant))
     again.spliced_from = d.spliced_from
     return again, store.failed
@@ -453,7 +462,8 @@ async def _measure(
         if d.cache_marker_moved:
             tail["cache_marker"] = "moved"
     if (tenant is not None and d.view is not None and d.view.entry is not None
-            and state.history_cache is not None):  # only ever saves the next parse
+            and state.history_cache is not None  # only ever saves the next parse
+            and "splice" not in state.rules.shortcuts_off):
         state.history_cache.remember((tenant, session), d.raw, d.payload, d.messages,
                                      d.spliced_from, scan=d.mode != "on")
     return head, tail
@@ -521,7 +531,7 @@ async def _measure_session(
             state_ok = False
     known, known_tokens = known_prefix(prev, msgs)
     grown = prev is not None and known == prev.n_messages
-    if d.uncounted_chars() > OFFLOAD_CHARS:
+    if d.uncounted_chars() > OFFLOAD_CHARS and "thread" not in state.rules.shortcuts_off:
         await d.count_off_loop(list(range(known, len(msgs))), state.counting)
     if d.view is not None and d.view.known >= known:  # the history cache holds the prefix
         msg_tokens = d.all_message_tokens()

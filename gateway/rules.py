@@ -199,6 +199,8 @@ class Rules:
     session_header: str = "X-Session-Id"
     max_tracked_sessions: int = 10_000
     history_cache_mb: int = 256
+    # request-path shortcuts turned off (MEMGATE_SHORTCUTS_OFF): same decisions, more work
+    shortcuts_off: frozenset[str] = frozenset()
     token_cache_size: int = 200_000
     approx_token_factor: float = 1.15
     capture: CaptureRules = field(default_factory=CaptureRules)
@@ -909,6 +911,24 @@ def _admin_port(r: _Reader, listen: dict[str, Any]) -> int | None:
     return port
 
 
+# What MEMGATE_SHORTCUTS_OFF may name: work the request path saves without changing a
+# decision (the README's Performance section measures what each buys)
+SHORTCUTS = ("history", "splice", "prefilter", "deferred", "thread")
+
+
+def _env_shortcuts(env: Mapping[str, str]) -> frozenset[str]:
+    """MEMGATE_SHORTCUTS_OFF: comma-separated names of SHORTCUTS ("all": every one)."""
+    names = {n.strip() for n in env.get("MEMGATE_SHORTCUTS_OFF", "").split(",") if n.strip()}
+    if "all" in names:
+        return frozenset(SHORTCUTS)
+    unknown = sorted(names - set(SHORTCUTS))
+    if unknown:
+        raise RulesError("env:MEMGATE_SHORTCUTS_OFF", None, "MEMGATE_SHORTCUTS_OFF",
+                         f"unknown shortcut(s) {', '.join(unknown)}; known: all, "
+                         + ", ".join(SHORTCUTS))
+    return frozenset(names)
+
+
 def apply_env(rules: Rules, env: Mapping[str, str]) -> Rules:
     """Environment overrides (env > file); invalid values raise RulesError."""
     from dataclasses import replace
@@ -948,8 +968,12 @@ def apply_env(rules: Rules, env: Mapping[str, str]) -> Rules:
         except ValueError as exc:
             raise RulesError("env:MEMGATE_CLIENT_KEYS_SHA256", None,
                              "MEMGATE_CLIENT_KEYS_SHA256", str(exc)) from None
+    off = _env_shortcuts(env)
+    if "prefilter" in off and memory.carry_patterns is not None:
+        memory = replace(memory, carry_patterns=replace(memory.carry_patterns,
+                                                        prefilter_on=False))
     return replace(rules, memory=memory, upstreams=tuple(upstreams), log_format=log_format,
-                   tenants=tenants)
+                   tenants=tenants, shortcuts_off=off)
 
 
 def unguarded_injection(rules: Rules) -> list[str]:

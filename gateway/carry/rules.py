@@ -37,6 +37,9 @@ class CarryPatterns:
     small_talk: re.Pattern[str]
     output_verbs: re.Pattern[str]
     note: str
+    # False (MEMGATE_SHORTCUTS_OFF=prefilter): every regex runs on every text; the same
+    # matches, only slower
+    prefilter_on: bool = True
     prefilter: Prefilter = field(init=False, compare=False, repr=False)
     # (type, pattern, its prefilter bit) per ref pattern, in order
     ref_bits: tuple[tuple[str, re.Pattern[str], int], ...] = field(
@@ -49,7 +52,7 @@ class CarryPatterns:
     bits: dict[str, int] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        pre = Prefilter(self.searched_patterns())
+        pre = Prefilter(self.searched_patterns(), self.prefilter_on)
         ref_bits = tuple((rtype, pat, pre.bit(pat)) for rtype, pat in self.refs)
         deictic_bits = tuple((k, d.pattern, pre.bit(d.pattern))
                              for k, d in enumerate(self.deictics))
@@ -256,7 +259,7 @@ class Prefilter:
     lowercase, exactly `fold(text)` unless the text holds a character fold() changes
     (those are strings of the automaton too: such a text is scanned again, folded)."""
 
-    def __init__(self, patterns: Iterable[re.Pattern[str]]) -> None:
+    def __init__(self, patterns: Iterable[re.Pattern[str]], on: bool = True) -> None:
         self.patterns = list(dict.fromkeys(patterns))
         # keyed by id: hashing a compiled pattern hashes its whole program, every time
         self._bit = {id(pat): 2 << k for k, pat in enumerate(self.patterns)}
@@ -265,7 +268,7 @@ class Prefilter:
         folded: dict[str, int] = {}
         for pattern in self.patterns:
             b = self._bit[id(pattern)]
-            need = required(pattern)
+            need = required(pattern) if on else None  # off: every pattern always runs
             if need is None:
                 self.always |= b
                 continue
@@ -281,6 +284,8 @@ class Prefilter:
     def scan(self, text: str) -> int:
         """A mask of the patterns that may match `text`."""
         mask = self.always
+        if self._plain is None and self._lowered is None:  # off, or no fixed strings at all
+            return mask
         raw = text.encode("utf-8", "surrogatepass")
         if self._plain is not None:
             mask |= self._plain.scan(raw)
