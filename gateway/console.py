@@ -25,7 +25,7 @@ from urllib.parse import parse_qs
 from aiohttp import web
 
 from . import console_view as view
-from .app import STATE, GatewayState
+from .gwstate import STATE, GatewayState
 from .backends import Backend
 from .rules import ConsoleRules, Rules
 

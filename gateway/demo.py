@@ -23,11 +23,12 @@ import yaml
 from aiohttp import web
 
 from . import logging as mglog
-from .app import STATE, create_app
-from .cli import default_config, run_async
+from .app import create_app
+from .gwstate import STATE
 from .errors import CommandError
+from .eventloop import run_async
 from .mock_upstream import RECORD, create_mock_app
-from .resources import shipped_dir
+from .resources import default_config, shipped_dir
 from .rules import load_rules
 from .chat import decide
 from .wire import path_of, sniff

@@ -15,7 +15,7 @@ import orjson
 from aiohttp import web
 
 from . import splice
-from .app import STATE, GatewayState
+from .gwstate import STATE, GatewayState
 from .backends import BackendDown, iso_utc
 from .capture import record as capture_record
 from .chat import Decision, decide

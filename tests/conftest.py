@@ -22,7 +22,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from gateway import logging as mglog
-from gateway.app import STATE, create_app
+from gateway.app import create_app
+from gateway.gwstate import STATE
 from gateway.rules import load_rules
 
 # CI runs a fixed, reproducible set of examples; HYPOTHESIS_PROFILE=thorough explores.

@@ -9,7 +9,7 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.app import STATE
+from gateway.gwstate import STATE
 from gateway.chat import decide
 from gateway.tokens import Tokenizers
 
