@@ -24,6 +24,7 @@ from .state import MemoryState, RedisState
 from .tokens import Tokenizers
 from .wire import PATHS
 
+
 def _preload_tokenizers(state: GatewayState, rules: Rules) -> None:
     """Load every configured encoding now and say which one serves which models."""
     names = {rules.default_encoding} | {m.encoding for m in rules.models}

@@ -23,8 +23,8 @@ from typing import Any
 import orjson
 import yaml
 
-from . import logging as mglog
 from . import __version__
+from . import logging as mglog
 from .capture import SIDES
 from .errors import CommandError, GatewayError, RulesError
 from .eventloop import run_async
@@ -272,7 +272,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.buffer.write(d.forward + b"\n")
         return 0
-    if d.skip_reason is not None or d.plan is None:
+    if d.skip_reason is not None or d.plan is None or d.conv is None:  # a plan has a conv
         why = d.skip_reason or "mode=off (nothing planned)"
         print(f"not planned: {why}; the gateway forwards the body unchanged")
         return 0
@@ -284,7 +284,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
         for g in d.conv.groups
         for i, pin in g.pins
         if is_active(pin, g.turn, d.conv.n_turns, rules.memory.markers.min_score)
-    } if d.conv else set()
+    }
     print(f"api: {wire.name}")
     print(f"{'idx':>4}  {'role':<22} {'tokens':>7} {'chars':>7}  pin  {'':7} stage")
     for i, m in enumerate(d.messages):
@@ -711,7 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="key for the upstream (default $OPENAI_API_KEY)")
     ab.add_argument("--out", default="replay-report", help="directory for report.md/.html")
     ab.add_argument("--as-configured", action="store_true",
-                    help="B forwards as the config stands (kill switch included): checks a rollback")
+                    help="B forwards as the config stands (kill switch included): "
+                         "checks a rollback")
     ab.add_argument("--concurrency", type=int, default=4,
                     help="upstream calls in flight at once (4); each call is a progress line")
     ab.add_argument("--side", choices=SIDES, default="before",

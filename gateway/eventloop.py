@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
-def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+def run_async(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run on uvloop when it is installed, else asyncio's default loop."""
     try:
         import uvloop

@@ -15,11 +15,11 @@ import orjson
 from aiohttp import web
 
 from . import splice
-from .gwstate import STATE, GatewayState
 from .backends import BackendDown, iso_utc
 from .capture import record as capture_record
 from .chat import Decision, decide
 from .errors import ApiFlavor, BadPath, GatewayError, PayloadTooLarge, Unauthorized, render_error
+from .gwstate import STATE, GatewayState
 from .inflate import Inflater
 from .metrics import route_class
 from .recall import OPEN_TIMEOUT_S, RECALL_TIMEOUT_S, GuardedStore, archive_records, recall

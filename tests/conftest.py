@@ -17,9 +17,9 @@ import orjson
 import pytest
 import structlog
 import yaml
-from hypothesis import HealthCheck, settings
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from hypothesis import HealthCheck, settings
 
 from gateway import logging as mglog
 from gateway.app import create_app
