@@ -5,76 +5,24 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import AsyncIterator, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from . import listeners
 from . import logging as mglog
 from .backends import Backend
-from .capture import Capture
 from .errors import RulesError
+from .gwstate import STATE, GatewayState
 from .history import HistoryCache
 from .memory_api import MemoryService
 from .memory_api import routes as memory_routes
-from .metrics import Metrics
 from .reload import Reloader
 from .rules import Rules, unguarded_injection
 from .state import MemoryState, RedisState
 from .tokens import Tokenizers
-from .upstream import UpstreamPool
 from .wire import PATHS
-
-if TYPE_CHECKING:
-    from .console import Console
-
-
-@dataclass
-class GatewayState:
-    """Everything a running gateway changes at runtime, behind one AppKey."""
-
-    reloader: Reloader
-    tokenizers: Tokenizers
-    sessions: MemoryState | RedisState
-    # the store as recall reads it and as the archive writer writes it: a full disk fails
-    # the writes only, so it does not switch recall off
-    store_health: Backend
-    archive_health: Backend
-    history: HistoryCache = field(default_factory=lambda: HistoryCache(0, 0))
-    metrics: Metrics = field(default_factory=Metrics)
-    capture: Capture = field(default_factory=Capture)
-    memory: MemoryService | None = None
-    background: set[asyncio.Task[None]] = field(default_factory=set)
-    # one thread counts the tokens of big cold histories for the [mem] line: a burst of
-    # them queues there instead of competing with the event loop for cores and the GIL
-    counting: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
-        1, thread_name_prefix="memgate-count"))
-    pool: UpstreamPool = field(default_factory=UpstreamPool)
-    log: Any = None
-    # called with (the [mem] fields, the decision or None, what happened on the wire) after
-    # each [mem] line: the console and tracing read requests here, the request path never
-    # waits on them (an observer that raises is logged once per request and skipped)
-    observers: list[Callable[[dict[str, Any], Any, Any], None]] = field(default_factory=list)
-    # OpenTelemetry (gateway.otel.Tracing): `tracing` once set up, `tracer` while on (None
-    # when off: all a request then pays is that test)
-    tracing: Any = None
-    tracer: Any = None
-    console: Console | None = None  # console.enabled: its observer is in `observers`
-
-    @property
-    def rules(self) -> Rules:
-        return self.reloader.rules
-
-    @property
-    def history_cache(self) -> HistoryCache | None:
-        """The per-session history cache, or None when configured off (size 0)."""
-        return self.history if self.history.max_entries else None
-
-
-STATE = web.AppKey("memgate_state", GatewayState)
 
 
 def _preload_tokenizers(state: GatewayState, rules: Rules) -> None:

@@ -16,32 +16,22 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
 import yaml
 
-from . import logging as mglog
 from . import __version__
+from . import logging as mglog
 from .capture import SIDES
 from .errors import CommandError, GatewayError, RulesError
-from .resources import shipped_file
+from .eventloop import run_async
+from .resources import default_config
 from .rules import Rules, describe, load_rules, missing_env
 
 EXIT_FAILED, EXIT_USAGE = 1, 2  # and 0: ok
-
-
-def default_config(explicit: str | None, env: Mapping[str, str]) -> Path | None:
-    """--config > MEMGATE_CONFIG > ./rules/gateway.yaml > the rules/gateway.yaml shipped
-    with memgate (a checkout's, or the installed package's copy)."""
-    if explicit:
-        return Path(explicit)
-    if env.get("MEMGATE_CONFIG"):
-        return Path(env["MEMGATE_CONFIG"])
-    local = Path("rules/gateway.yaml")
-    return local if local.is_file() else shipped_file("rules", "gateway.yaml")
 
 
 def _load_or_exit(config: Path | None, env: Mapping[str, str]) -> Rules:
@@ -83,17 +73,6 @@ def bound_port(site: Any, asked: int) -> int:
     server = getattr(site, "_server", None)
     sockets = getattr(server, "sockets", None) or ()
     return int(sockets[0].getsockname()[1]) if sockets else asked
-
-
-def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
-    """Run on uvloop when it is installed, else asyncio's default loop."""
-    try:
-        import uvloop
-
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(main())
-    except ImportError:
-        return asyncio.run(main())
 
 
 # --------------------------------------------------------------------------- serve
@@ -148,6 +127,13 @@ async def serve_forever(app: Any, host: str, port: int, log: Any, drain_s: float
     log.info("shutting_down", drain_s=drain_s)
     await runner.cleanup()
     return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """memgate demo (imported here: `serve` does not load the mock upstream and samples)."""
+    from . import demo
+
+    return demo.run(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -286,7 +272,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.buffer.write(d.forward + b"\n")
         return 0
-    if d.skip_reason is not None or d.plan is None:
+    if d.skip_reason is not None or d.plan is None or d.conv is None:  # a plan has a conv
         why = d.skip_reason or "mode=off (nothing planned)"
         print(f"not planned: {why}; the gateway forwards the body unchanged")
         return 0
@@ -298,7 +284,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
         for g in d.conv.groups
         for i, pin in g.pins
         if is_active(pin, g.turn, d.conv.n_turns, rules.memory.markers.min_score)
-    } if d.conv else set()
+    }
     print(f"api: {wire.name}")
     print(f"{'idx':>4}  {'role':<22} {'tokens':>7} {'chars':>7}  pin  {'':7} stage")
     for i, m in enumerate(d.messages):
@@ -676,7 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="gateway + mock upstream + samples, offline")
     d.add_argument("--samples", default=None, help="directory of sample payloads")
     d.add_argument("--config", default=None, help="config to start from (copied, then flipped)")
-    d.set_defaults(func=lambda a: __import__("gateway.demo", fromlist=["run"]).run(a))
+    d.set_defaults(func=cmd_demo)
 
     c = sub.add_parser("check-config", help="validate a config and print the effective one")
     c.add_argument("file", help="the YAML config to check (its effective form, printed on "
@@ -725,7 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="key for the upstream (default $OPENAI_API_KEY)")
     ab.add_argument("--out", default="replay-report", help="directory for report.md/.html")
     ab.add_argument("--as-configured", action="store_true",
-                    help="B forwards as the config stands (kill switch included): checks a rollback")
+                    help="B forwards as the config stands (kill switch included): "
+                         "checks a rollback")
     ab.add_argument("--concurrency", type=int, default=4,
                     help="upstream calls in flight at once (4); each call is a progress line")
     ab.add_argument("--side", choices=SIDES, default="before",

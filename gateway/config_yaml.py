@@ -28,13 +28,13 @@ EMPTY = ("empty document: a config file must hold a mapping (write {} for all de
          "an empty file is refused so that a write caught halfway cannot reset the config)")
 
 
-class _Refused(yaml.YAMLError):  # type: ignore[misc]  # no yaml stubs here
+class _Refused(yaml.YAMLError):
     def __init__(self, problem: str, mark: Any) -> None:
         super().__init__(problem)
         self.problem, self.problem_mark = problem, mark
 
 
-class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc]
+class _BoundedLoader(yaml.SafeLoader):
     """SafeLoader that measures every node as it composes it: (expanded size, height)."""
 
     def __init__(self, text: str) -> None:
@@ -49,9 +49,13 @@ class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc]
             raise _Refused(f"nested deeper than {MAX_DEPTH} levels", self.get_mark())
         super().fetch_flow_collection_start(token_class)
 
-    def compose_node(self, parent: Any, index: Any) -> Any:
+    def _next_event(self) -> Any:
+        # types-PyYAML leaves Parser.peek_event unannotated (it returns an Event)
+        return self.peek_event()  # type: ignore[no-untyped-call]
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
+            event = self._next_event()
             target = self.anchors.get(event.anchor)
             if target is not None:  # an unknown anchor is PyYAML's own error
                 measured = self._measured.get(id(target))
@@ -64,9 +68,11 @@ class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc]
             return super().compose_node(parent, index)
         self._depth += 1
         if self._depth > MAX_DEPTH:
-            raise _Refused(f"nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark)
+            raise _Refused(f"nested deeper than {MAX_DEPTH} levels", self._next_event().start_mark)
         node = super().compose_node(parent, index)
         self._depth -= 1
+        if node is None:  # the stubs allow it; PyYAML's composer always returns a node
+            return None
         size, height = self._measure(node)
         if size > MAX_NODES:
             raise _Refused(f"more than {MAX_NODES} nodes once aliases are expanded",
@@ -114,6 +120,6 @@ def load_yaml(path: Path) -> tuple[Any, yaml.Node]:
         raise RulesError(file, None, "<yaml>", f"invalid YAML value: {exc}") from None
     finally:
         loader.dispose()
-    if data is None:
+    if data is None or root is None:
         raise RulesError(file, None, "<document>", EMPTY)
     return data, root

@@ -25,8 +25,8 @@ from urllib.parse import parse_qs
 from aiohttp import web
 
 from . import console_view as view
-from .app import STATE, GatewayState
 from .backends import Backend
+from .gwstate import STATE, GatewayState
 from .rules import ConsoleRules, Rules
 
 MINUTES = 60  # the last hour, a bucket a minute

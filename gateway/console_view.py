@@ -54,7 +54,8 @@ padding:1px 8px;font-size:12px;color:#fff}.ok{background:#16a34a}.bad{background
 .warn{background:#d97706}.off{background:#64748b}.legend span{margin-right:12px;
 font-size:12px}.sw{display:inline-block;width:10px;height:10px;margin-right:4px;
 border-radius:2px}.req{border-top:1px solid #e2e8f0;padding:8px 0}.mono{font-family:
-ui-monospace,monospace;font-size:12px}.kvs{display:flex;flex-wrap:wrap;gap:4px 18px;margin:4px 0;font-size:13px}
+ui-monospace,monospace;font-size:12px}.kvs{display:flex;flex-wrap:wrap;gap:4px 18px;
+margin:4px 0;font-size:13px}
 .kvs span{color:#475569}.kvs b{color:#0f172a}pre{white-space:pre-wrap;background:#f1f5f9;
 padding:6px;margin:4px 0;max-height:160px;overflow:auto}.err{color:#b91c1c}
 """

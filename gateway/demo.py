@@ -23,13 +23,14 @@ import yaml
 from aiohttp import web
 
 from . import logging as mglog
-from .app import STATE, create_app
-from .cli import default_config, run_async
-from .errors import CommandError
-from .mock_upstream import RECORD, create_mock_app
-from .resources import shipped_dir
-from .rules import load_rules
+from .app import create_app
 from .chat import decide
+from .errors import CommandError
+from .eventloop import run_async
+from .gwstate import STATE
+from .mock_upstream import RECORD, create_mock_app
+from .resources import default_config, shipped_dir
+from .rules import load_rules
 from .wire import path_of, sniff
 
 
@@ -67,9 +68,7 @@ async def _start(app: web.Application) -> tuple[web.AppRunner, int]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    server = site._server
-    assert server is not None and server.sockets  # noqa: S101 - just started
-    return runner, int(server.sockets[0].getsockname()[1])
+    return runner, int(runner.addresses[0][1])
 
 
 async def _replay(gw: str, samples: list[Path], phase: str) -> None:

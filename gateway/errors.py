@@ -108,5 +108,6 @@ def render_error(err: GatewayError, flavor: ApiFlavor = "openai") -> bytes:
             {"type": "error", "error": {"type": anthropic_type, "message": err.message}}
         )
     return orjson.dumps(
-        {"error": {"message": err.message, "type": "gateway_error", "code": err.code, "param": None}}
+        {"error": {"message": err.message, "type": "gateway_error", "code": err.code,
+                   "param": None}}
     )

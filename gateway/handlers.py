@@ -8,18 +8,19 @@ import hmac
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
 from . import splice
-from .app import STATE, GatewayState
 from .backends import BackendDown, iso_utc
 from .capture import record as capture_record
 from .chat import Decision, decide
 from .errors import ApiFlavor, BadPath, GatewayError, PayloadTooLarge, Unauthorized, render_error
+from .gwstate import STATE, GatewayState
 from .history import HistoryCache
 from .inflate import Inflater
 from .metrics import route_class
@@ -190,107 +191,53 @@ def mem_fields(
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Measured = asyncio.Future[tuple[dict[str, Any], dict[str, Any]]]
+
+
+@dataclass
+class _Flight:
+    """One intercepted request as its stages fill it in: what `_account` needs at the end
+    whichever stage answered (forwarded, deferred, refused or cancelled)."""
+
+    request: web.Request
+    state: GatewayState
+    rules: Rules  # one snapshot for the whole request
+    wire: Wire
+    t0: float  # moved forward by the upload's time once the body is in
+    rid: str
+    info: Relayed
+    span: RequestSpan | None  # while tracing is on (gateway.otel): ended after the [mem] line
+    tenant: str | None  # None: no usable credential (and no anonymous tenant), no memory
+    session: str = ""
+    raw: bytes | None = None
+    d: Decision | None = None
+    overhead_ms: float = 0.0
+    deferred: bool = False  # forwarded as is: decided after the response
+    measuring: Measured | None = None  # the [mem] fields, measured while upstream answers
+    recall_failed: bool = False
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.t0) * 1000
 
 
 def intercept(wire: Wire) -> Handler:
     """A handler that measures, plans and forwards one API's requests."""
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        state: GatewayState = request.app[STATE]
-        rules = state.rules  # one snapshot for the whole request
-        t0 = time.perf_counter()
-        rid = _RID.sub("", request.headers.get("X-Request-Id", ""))[:64] or os.urandom(8).hex()
-        info = Relayed()
-        # this request's span while tracing is on (gateway.otel): ended after the [mem] line
-        span = state.tracer.start(request, info, wire) if state.tracer is not None else None
-        d: Decision | None = None
-        overhead_ms = 0.0
-        # None: no usable credential (and no anonymous tenant), so no memory at all
-        tenant = tenant_of(request.headers, rules.tenants)
-        session = ""
-        raw: bytes | None = None
-        deferred = False
-        measuring: asyncio.Future[tuple[dict[str, Any], dict[str, Any]]] | None = None
-        recall_failed = False
+        f = _take_off(request, wire)
         try:
             try:
-                # chosen by path alone unless an upstream chooses by model (then the body
-                # is read first): a refused caller's body is not even read
-                up = None if rules.routes_by_model else rules.upstream_for(request.path)
-                if up is not None:
-                    _admit(rules, up, request)
-                before_body = time.perf_counter() - t0
-                raw = await read_body(request, rules.max_body_bytes)
-                # the upload is the client's time, not the gateway's: a client sending at
-                # 20 KB/s would otherwise show seconds of overhead_ms
-                t0 = time.perf_counter() - before_body
-                if up is not None and _unchangeable(state, rules, wire, raw):
-                    # nothing a decision could change: the client's bytes go upstream now,
-                    # the measuring and the [mem] line follow the response
-                    deferred = True
-                    overhead_ms = (time.perf_counter() - t0) * 1000
-                    return await relay(request, state.pool, up, raw, info,
-                                       span.upstream(request, up) if span else None,
-                                       credential_headers=rules.tenants.credential_headers,
-                                       stream_ends=wire.stream_ends, usage_wire=wire.name)
-                d, session = _decide(state, request, rules, wire, raw, tenant)
-                if up is None:
-                    up = rules.upstream_for(request.path, d.model)
-                    try:
-                        _admit(rules, up, request)
-                    except Unauthorized:
-                        d = None  # nothing of a refused request is archived or remembered
-                        raise
-                if (tenant is not None and rules.store.recall_enabled and d.mode == "on"
-                        and d.plan is not None):
-                    d, recall_failed = await _with_recall(state, rules, wire, d, tenant,
-                                                          session)
-                overhead_ms = (time.perf_counter() - t0) * 1000
-                # measured while the upstream answers: the loop would wait for it otherwise
-                measuring = asyncio.ensure_future(
-                    _measure(state, request, tenant, session, wire, d, rid, recall_failed))
-                return await relay(request, state.pool, up, d.forward, info,
-                                   span.upstream(request, up) if span else None,
-                                   credential_headers=rules.tenants.credential_headers,
-                                   stream_ends=wire.stream_ends,
-                                   original=_fallback_body(rules, d), usage_wire=wire.name)
+                return await _forward(f)
             except GatewayError as err:
-                info.status = err.status
-                if not overhead_ms:
-                    overhead_ms = (time.perf_counter() - t0) * 1000
+                f.info.status = err.status
+                if not f.overhead_ms:
+                    f.overhead_ms = f.elapsed_ms()
                 return error_response(err, wire.flavor)
         except asyncio.CancelledError:
-            info.client_left()
+            f.info.client_left()
             raise
         finally:
-            if deferred and raw is not None:
-                try:
-                    d, session = _decide(state, request, rules, wire, raw, tenant)
-                except GatewayError:  # cannot happen without metadata; measured as skipped
-                    d = None
-            account = _account(state, request, tenant, session, wire, d, info,
-                               overhead_ms, rid, measuring)
-            if span is not None:
-                account = span.after(account)
-            if measuring is not None:  # what is left to await is the measuring
-                inline = measuring.done()
-            else:  # measured here: with shared state or a big count it awaits
-                inline = state.sessions.backend == "memory" and (
-                    d is None or d.uncounted_chars() <= OFFLOAD_CHARS
-                    or "thread" in rules.shortcuts_off)
-            if inline:
-                await account  # never yields: nothing to cancel
-            else:
-                # a client that closes its connection right after the body cancels this
-                # handler; the shared-state writes, the counting of a big cold history
-                # and the [mem] line still run to the end
-                task = asyncio.ensure_future(account)
-                state.background.add(task)
-                task.add_done_callback(state.background.discard)
-                if state.sessions.backend == "memory":  # counting: CPU, bounded
-                    await asyncio.shield(task)
-                # waiting on Redis would hold the client's keep-alive connection: its
-                # answer is complete already, the [mem] line follows within the timeouts
+            await _land(f)
 
     return handle
 
@@ -299,6 +246,129 @@ def _history(state: GatewayState, rules: Rules) -> HistoryCache | None:
     """The history cache, unless configured off (history_cache_mb: 0) or switched off
     (MEMGATE_SHORTCUTS_OFF=history)."""
     return None if "history" in rules.shortcuts_off else state.history_cache
+
+
+def _take_off(request: web.Request, wire: Wire) -> _Flight:
+    """The request's snapshot of the rules, its id, tenant and span: before any byte of
+    the body is read."""
+    state: GatewayState = request.app[STATE]
+    rules = state.rules
+    t0 = time.perf_counter()
+    rid = _RID.sub("", request.headers.get("X-Request-Id", ""))[:64] or os.urandom(8).hex()
+    info = Relayed()
+    span = state.tracer.start(request, info, wire) if state.tracer is not None else None
+    return _Flight(request, state, rules, wire, t0, rid, info, span,
+                   tenant_of(request.headers, rules.tenants))
+
+
+async def _forward(f: _Flight) -> web.StreamResponse:
+    """Admit, read the body, then relay it as is (nothing could change it) or as planned."""
+    rules = f.rules
+    # chosen by path alone unless an upstream chooses by model (then the body is read
+    # first): a refused caller's body is not even read
+    up = None if rules.routes_by_model else rules.upstream_for(f.request.path)
+    if up is not None:
+        _admit(rules, up, f.request)
+    f.raw = await _read_timed(f)
+    if up is not None and _unchangeable(f.state, rules, f.wire, f.raw):
+        return await _relay_unchanged(f, up, f.raw)
+    d, up = await _plan(f, f.raw, up)
+    return await _relay_planned(f, up, d)
+
+
+async def _read_timed(f: _Flight) -> bytes:
+    """The body; the upload is the client's time, not the gateway's: a client sending at
+    20 KB/s would otherwise show seconds of overhead_ms."""
+    before_body = time.perf_counter() - f.t0
+    raw = await read_body(f.request, f.rules.max_body_bytes)
+    f.t0 = time.perf_counter() - before_body
+    return raw
+
+
+async def _relay_unchanged(f: _Flight, up: Upstream, raw: bytes) -> web.StreamResponse:
+    """Nothing a decision could change: the client's bytes go upstream now, the measuring
+    and the [mem] line follow the response (`_land` decides)."""
+    f.deferred = True
+    f.overhead_ms = f.elapsed_ms()
+    return await relay(f.request, f.state.pool, up, raw, f.info,
+                       f.span.upstream(f.request, up) if f.span else None,
+                       credential_headers=f.rules.tenants.credential_headers,
+                       stream_ends=f.wire.stream_ends, usage_wire=f.wire.name)
+
+
+async def _plan(f: _Flight, raw: bytes, up: Upstream | None) -> tuple[Decision, Upstream]:
+    """Decide (measure, plan, cut), route by model if the path did not, recall."""
+    rules = f.rules
+    d, f.session = _decide(f.state, f.request, rules, f.wire, raw, f.tenant)
+    f.d = d
+    if up is None:
+        up = rules.upstream_for(f.request.path, d.model)
+        try:
+            _admit(rules, up, f.request)
+        except Unauthorized:
+            f.d = None  # nothing of a refused request is archived or remembered
+            raise
+    if (f.tenant is not None and rules.store.recall_enabled and d.mode == "on"
+            and d.plan is not None):
+        d, f.recall_failed = await _with_recall(f.state, rules, f.wire, d, f.tenant, f.session)
+        f.d = d
+    return d, up
+
+
+async def _relay_planned(f: _Flight, up: Upstream, d: Decision) -> web.StreamResponse:
+    """Forward the planned body; the [mem] fields are measured while the upstream answers
+    (the loop would wait for them otherwise)."""
+    f.overhead_ms = f.elapsed_ms()
+    f.measuring = asyncio.ensure_future(_measure(
+        f.state, f.request, f.tenant, f.session, f.wire, d, f.rid, f.recall_failed))
+    return await relay(f.request, f.state.pool, up, d.forward, f.info,
+                       f.span.upstream(f.request, up) if f.span else None,
+                       credential_headers=f.rules.tenants.credential_headers,
+                       stream_ends=f.wire.stream_ends,
+                       original=_fallback_body(f.rules, d), usage_wire=f.wire.name)
+
+
+async def _land(f: _Flight) -> None:
+    """After the answer (or the refusal, or the client leaving): decide a deferred body,
+    then account (the [mem] line, metrics, shared state), inline when that cannot wait
+    on anything, else in a task the client's leaving cannot cancel."""
+    if f.deferred and f.raw is not None:
+        try:
+            f.d, f.session = _decide(f.state, f.request, f.rules, f.wire, f.raw, f.tenant)
+        except GatewayError:  # cannot happen without metadata; measured as skipped
+            f.d = None
+    account = _account(f.state, f.request, f.tenant, f.session, f.wire, f.d, f.info,
+                       f.overhead_ms, f.rid, f.measuring)
+    if f.span is not None:
+        account = f.span.after(account)
+    if _accounts_inline(f):
+        await account  # never yields: nothing to cancel
+    else:
+        await _account_detached(f.state, account)
+
+
+def _accounts_inline(f: _Flight) -> bool:
+    """Can the accounting run in the handler without waiting on anything?"""
+    if f.measuring is not None:  # what is left to await is the measuring
+        return f.measuring.done()
+    # measured here: with shared state or a big count it awaits
+    return f.state.sessions.backend == "memory" and (
+        f.d is None or f.d.uncounted_chars() <= OFFLOAD_CHARS
+        or "thread" in f.rules.shortcuts_off)
+
+
+async def _account_detached(state: GatewayState,
+                            account: Coroutine[Any, Any, None]) -> None:
+    """A client that closes its connection right after the body cancels the handler; the
+    shared-state writes, the counting of a big cold history and the [mem] line still run
+    to the end."""
+    task = asyncio.ensure_future(account)
+    state.background.add(task)
+    task.add_done_callback(state.background.discard)
+    if state.sessions.backend == "memory":  # counting: CPU, bounded
+        await asyncio.shield(task)
+    # waiting on Redis would hold the client's keep-alive connection: its answer is
+    # complete already, the [mem] line follows within the timeouts
 
 
 def _fallback_body(rules: Rules, d: Decision) -> bytes | None:

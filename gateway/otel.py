@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from contextvars import ContextVar
 from typing import Any
 from urllib.parse import urlsplit
@@ -138,7 +138,7 @@ class RequestSpan:
     def annotate(self, fields: Mapping[str, Any], decision: Any) -> None:
         self._fields, self.decision = fields, decision
 
-    def after(self, accounting: Awaitable[None]) -> Awaitable[None]:
+    def after(self, accounting: Awaitable[None]) -> Coroutine[Any, Any, None]:
         """`accounting`, then the end of the span (stamped now: the response is done)."""
         self.end_ns = time.time_ns()
         duration = time.perf_counter() - self.t0

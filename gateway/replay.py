@@ -13,8 +13,8 @@ a self-contained HTML report; exits 1 when a check fails.
 from __future__ import annotations
 
 import asyncio
-import html
 import difflib
+import html
 import re
 import sys
 import time

@@ -9,6 +9,7 @@ it is run from.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -32,3 +33,14 @@ def shipped_file(directory: str, name: str) -> Path | None:
     base = shipped_dir(directory)
     path = base / name if base is not None else None
     return path if path is not None and path.is_file() else None
+
+
+def default_config(explicit: str | None, env: Mapping[str, str]) -> Path | None:
+    """--config > MEMGATE_CONFIG > ./rules/gateway.yaml > the rules/gateway.yaml shipped
+    with memgate (a checkout's, or the installed package's copy)."""
+    if explicit:
+        return Path(explicit)
+    if env.get("MEMGATE_CONFIG"):
+        return Path(env["MEMGATE_CONFIG"])
+    local = Path("rules/gateway.yaml")
+    return local if local.is_file() else shipped_file("rules", "gateway.yaml")

@@ -24,8 +24,8 @@ from .carry.rules import CarryPatterns, load_carry_patterns
 from .carry.snapshot import ALL_FIELDS, CarryRules
 from .config_yaml import load_yaml
 from .errors import RulesError
-from .resources import shipped_file
 from .policy.compact import CompactRules
+from .resources import shipped_file
 from .store.model import StoreRules, check_tags, parse_window
 
 # compact_tools shortens old tool results before the planner runs (chat.py): listed,

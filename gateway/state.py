@@ -133,8 +133,8 @@ class RedisState:
         if raw is None:
             return None
         d = orjson.loads(raw)
-        return SessionRecord(kept=tuple(d["kept"]), n_messages=d["n"], last=bytes.fromhex(d["last"]),
-                             cut=d["cut"], msg_tokens=d["tok"],
+        return SessionRecord(kept=tuple(d["kept"]), n_messages=d["n"],
+                             last=bytes.fromhex(d["last"]), cut=d["cut"], msg_tokens=d["tok"],
                              before_last=bytes.fromhex(d["before_last"]),
                              msg_tokens_before_last=d["tok_before_last"])
 
@@ -195,7 +195,8 @@ def known_prefix(prev: SessionRecord | None, messages: Sequence[Any]) -> tuple[i
     if appended(prev, messages):
         return prev.n_messages, prev.msg_tokens
     n = prev.n_messages - 1
-    if 0 < n <= len(messages) and prev.before_last and fingerprint(messages[n - 1]) == prev.before_last:
+    if (0 < n <= len(messages) and prev.before_last
+            and fingerprint(messages[n - 1]) == prev.before_last):
         return n, prev.msg_tokens_before_last
     return 0, 0
 

@@ -222,7 +222,7 @@ async def relay(
             allow_redirects=False,
             proxy=up.proxy,
         )
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         info.upstream_ms = (time.perf_counter() - t0) * 1000
         raise map_transport_error(exc, up) from None
     if (original is not None and isinstance(body, bytes)
@@ -256,7 +256,7 @@ async def relay(
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             info.client_left()
             return resp
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             # after its terminal event the answer is whole, however the upstream hangs up
             info.stream = "complete" if info.ended else "upstream_aborted"
             # the status line is gone already: end a chunked stream cleanly; a body

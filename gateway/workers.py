@@ -197,7 +197,7 @@ class Supervisor:
     async def _pause(self, seconds: float) -> None:
         try:
             await asyncio.wait_for(self._stop.wait(), seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     async def _keep(self, index: int) -> None:

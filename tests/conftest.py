@@ -17,12 +17,13 @@ import orjson
 import pytest
 import structlog
 import yaml
-from hypothesis import HealthCheck, settings
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from hypothesis import HealthCheck, settings
 
 from gateway import logging as mglog
-from gateway.app import STATE, create_app
+from gateway.app import create_app
+from gateway.gwstate import STATE
 from gateway.rules import load_rules
 
 # CI runs a fixed, reproducible set of examples; HYPOTHESIS_PROFILE=thorough explores.

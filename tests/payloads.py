@@ -40,7 +40,8 @@ def jpeg(w: int, h: int, exif: int = 0) -> bytes:
 
 
 def gif(w: int, h: int) -> bytes:
-    return b"GIF89a" + struct.pack("<HH", w, h) + b"\0\0\0" + b",\0\0\0\0\x01\0\x01\0\0\x02\x02D\x01\0;"
+    return (b"GIF89a" + struct.pack("<HH", w, h) + b"\0\0\0"
+            + b",\0\0\0\0\x01\0\x01\0\0\x02\x02D\x01\0;")
 
 
 def webp_vp8x(w: int, h: int) -> bytes:
@@ -87,8 +88,8 @@ def wav(seconds: float, rate: int = 16000) -> bytes:
     n = int(seconds * rate)
     data = random.Random(3).randbytes(2 * n)
     fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
-    body = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", len(data)) \
-        + data
+    body = (b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt
+            + b"data" + struct.pack("<I", len(data)) + data)
     return b"RIFF" + struct.pack("<I", len(body)) + body
 
 

@@ -9,8 +9,8 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.app import STATE
 from gateway.chat import decide
+from gateway.gwstate import STATE
 from gateway.tokens import Tokenizers
 
 from .conftest import SECRET, GatewayFactory, Upstream, sample

@@ -163,8 +163,8 @@ _TRICKY = list("-./: 服务它路径 \n?？") + list(_CASE_CHARS) + [
     "THAT FİLE", "thaT ſervice", "2024-01-02", "that ſervıce", "ßß", "ΣΑΣ", "stﬅ"]
 _SYNTHETIC = [r"ab+c\.d", r"(?:foo|bar)-baz", r"x(?:yz|w)?q", r"(?<!\w)k[a-z]*服务", r"\bSS\b",
               r"ss|ẞ", r"σας|µ", r"(?:ab|cd)+x", r"(?-i:Service) [a-z]", r"(?i:IT)|THAT",
-              r"[sS]t(?:ﬅ|x)", r"ΐ[0-9]?", r"(?:a|b)(?:c|d)(?:e|f)", r"x{2}y|z", r"(?:service)?-baz",
-              r"(?:that )*file"]
+              r"[sS]t(?:ﬅ|x)", r"ΐ[0-9]?", r"(?:a|b)(?:c|d)(?:e|f)", r"x{2}y|z",
+              r"(?:service)?-baz", r"(?:that )*file"]
 
 
 def _all_patterns() -> list[re.Pattern[str]]:

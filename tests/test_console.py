@@ -193,8 +193,8 @@ async def test_text_only_with_show_text_and_ids_escaped(
 ) -> None:
     """Default: the note's size, never its text nor any message text; show_text shows the
     note. A session's link from the table (its id quoted) opens its page."""
-    from .test_carry import long_session
     from .conftest import ROOT
+    from .test_carry import long_session
 
     carry = {"enabled": True, "rules_file": str(ROOT / "rules" / "carry.yaml")}
     sid = "team/a@b:1.x"

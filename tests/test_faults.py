@@ -81,7 +81,7 @@ async def test_sigterm_drains_in_flight_stream(aiohttp_server: Any, tmp_path: Pa
                         f"http://127.0.0.1:{port}/healthz",
                         timeout=aiohttp.ClientTimeout(total=2)) as r2:
                     await r2.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 refused = True
             rest = await r.content.read()
         stream = first + rest
@@ -266,8 +266,9 @@ async def test_secrets_reach_no_sink(
             bodies.append(await r.read())
             statuses.append(r.status)
         await asyncio.wait_for(gw.state.memory.queue.join(), 10)  # archived turns written
+        query = {"query": "orders", "filter": {"session_id": "sec"}}
         async with s.post(f"{gw.url}/v1/memories/search", headers=hdrs,
-                          data=orjson.dumps({"query": "orders", "filter": {"session_id": "sec"}})) as r:
+                          data=orjson.dumps(query)) as r:
             bodies.append(await r.read())
             statuses.append(r.status)
     # (the admin view answers 404 when nothing was carried for the session)

@@ -215,7 +215,8 @@ def test_base64_never_reaches_the_tokenizer(wire: Any, item: dict[str, Any]) -> 
 
 RESPONSES_TYPES = [  # (item, a text the model reads in it)
     ({"type": "mcp_call", "id": "m", "server_label": "gh", "name": "search",
-      "arguments": '{"q": "open blockers"}', "output": "issue 12: saving crashes"}, "saving crashes"),
+      "arguments": '{"q": "open blockers"}', "output": "issue 12: saving crashes"},
+     "saving crashes"),
     ({"type": "mcp_list_tools", "id": "l", "server_label": "gh", "tools": [
         {"name": "search", "description": "Search the tracker by text",
          "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}]},

@@ -184,4 +184,5 @@ async def test_anthropic_shadow_forwards_with_the_metadata_cut_out(
     await gw.wait_mem(1)
     ev = mem_line(gw)
     assert ev["metadata"] == "invalid"
-    assert ev["metadata_reason"] == "messages[0].memgate.ttl: must be a non-negative integer (turns)"
+    assert ev["metadata_reason"] == (
+        "messages[0].memgate.ttl: must be a non-negative integer (turns)")

@@ -45,7 +45,8 @@ async def test_metrics_count_requests_drops_and_reloads(
             text = await r.text()
     ev = gw.mem_events()[-1]
     assert value(text, 'memgate_requests_total{mode="on",route="openai_chat",status="200"}') == 2
-    assert value(text, 'memgate_dropped_messages_sum{route="openai_chat"}') == 2 * int(ev["dropped"])
+    dropped = value(text, 'memgate_dropped_messages_sum{route="openai_chat"}')
+    assert dropped == 2 * int(ev["dropped"])
     assert value(text, "memgate_pinned_kept_total") == 2 * int(ev["pinned"])
     assert value(text, 'memgate_history_tokens_before_sum{route="openai_chat"}') == 2 * int(
         ev["est_tokens"])

@@ -171,7 +171,9 @@ async def test_passthrough_routes(gateway: GatewayFactory, upstream: Upstream) -
     assert gw.mem_lines() == []
 
 
-async def test_upstream_error_relayed_unchanged(gateway: GatewayFactory, upstream: Upstream) -> None:
+async def test_upstream_error_relayed_unchanged(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
     """A 429 from upstream reaches the SDK as its own RateLimitError with the body."""
     gw = await gateway(upstream_url=f"{upstream.url}/status/429")
     async with client(gw) as c:

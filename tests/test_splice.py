@@ -196,7 +196,8 @@ async def test_growing_session_over_http_is_spliced_and_forwards_the_same(
         msgs: list[dict[str, Any]] = []
         before = gw.state.history.spliced
         for t in range(6):
-            msgs += [{"role": "user", "content": f"turn {t}: read /data/f{t}.csv " + "订单 " * 1500},
+            ask = f"turn {t}: read /data/f{t}.csv " + "订单 " * 1500
+            msgs += [{"role": "user", "content": ask},
                      {"role": "assistant", "content": f"done {t} " + "ok " * 300}]
             raw = json.dumps({**extra, "messages": [*msgs, {"role": "user", "content": "next?"}]}
                              ).encode()

@@ -33,8 +33,9 @@ def strip(m: dict[str, Any]) -> dict[str, Any]:
 @given(msgs=conversation(), memory=memory_rules())
 @settings()
 def test_anthropic_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]) -> None:
-    """Anthropic: subsequence (recalled history before the current turn), system untouched, current turn kept, tool_use <-> tool_result
-    pairs whole, first message from the user, idempotent."""
+    """Anthropic: subsequence (recalled history before the current turn), system untouched,
+    current turn kept, tool_use <-> tool_result pairs whole, first message from the user,
+    idempotent."""
     body = to_anthropic(msgs)
     raw = orjson.dumps(body)
     d = decide(raw, orjson.loads(raw), make_rules(memory), TOK, ANTHROPIC_MESSAGES)

@@ -19,8 +19,7 @@ import orjson
 import pytest
 import structlog
 
-from gateway.workers import (MAX_WORKERS, Supervisor, available_cpus, metrics_base,
-                             parse_workers)
+from gateway.workers import MAX_WORKERS, Supervisor, available_cpus, metrics_base, parse_workers
 
 from .conftest import ROOT, SECRET, Upstream, sample, write_config
 from .perf.bench_gateway import free_port
@@ -185,7 +184,8 @@ async def test_a_killed_worker_is_restarted_and_sigterm_drains_every_worker(
     try:
         os.kill(workers_of(log.read_text())["0"], signal.SIGKILL)
         text = await wait_log(log, lambda t: len(LISTENING.findall(t)) == 3, proc)
-        assert re.search(r"^(?:\S+Z )?error worker_exited worker=0 pid=\d+ code=-9 ", text, re.M), text
+        exited = r"^(?:\S+Z )?error worker_exited worker=0 pid=\d+ code=-9 "
+        assert re.search(exited, text, re.M), text
         pids = list(workers_of(text).values())
 
         body = orjson.dumps({**sample("chat_short"), "stream": True})
@@ -218,8 +218,10 @@ async def test_a_killed_worker_is_restarted_and_sigterm_drains_every_worker(
         text = log.read_text()
         assert len(mem_events(text)) == len(streams), text
         for w in ("0", "1"):
-            assert re.search(rf"^(?:\S+Z )?info shutting_down drain_s=\S+ worker={w}$", text, re.M), text
-            assert re.search(rf"^(?:\S+Z )?info worker_stopped worker={w} pid=\d+ code=0$", text, re.M)
+            draining = rf"^(?:\S+Z )?info shutting_down drain_s=\S+ worker={w}$"
+            assert re.search(draining, text, re.M), text
+            stopped = rf"^(?:\S+Z )?info worker_stopped worker={w} pid=\d+ code=0$"
+            assert re.search(stopped, text, re.M)
     finally:
         if proc.returncode is None:
             proc.kill()

@@ -739,7 +739,7 @@ def plan(
         dropped=dropped,
         kept_by=kept_by,
         pinned=_count_pins(conv, [g for g in conv.pinned_groups
-                                  if decision[g] is None or decision[g][0] == KEEP], rules),
+                                  if (mark := decision[g]) is None or mark[0] == KEEP], rules),
         pinned_overflow=st.pinned_overflow,
         over_budget=over,
         kept_tokens=kept_tokens if st.count_tokens else None,

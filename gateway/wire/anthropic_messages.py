@@ -45,7 +45,8 @@ def _blocks(content: Any) -> list[dict[str, Any]]:
 
 def tool_ids(content: Any, block_type: str, key: str) -> list[str]:
     return [
-        b[key] for b in _blocks(content) if b.get("type") == block_type and isinstance(b.get(key), str)
+        b[key] for b in _blocks(content)
+        if b.get("type") == block_type and isinstance(b.get(key), str)
     ]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import statistics
 import time
 from pathlib import Path
@@ -26,11 +27,9 @@ from typing import Any
 import orjson
 
 from gateway.chat import decide
-import importlib
 from gateway.history import HistoryCache
 from gateway.rules import build_rules
 from gateway.tokens import Tokenizers
-
 from tests.perf.bench_plan import history
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
 import aiohttp
 import orjson
 
@@ -209,7 +210,8 @@ def plan_bench(rounds: int) -> None:
     from gateway.rules import apply_env, build_rules
     from gateway.tokens import Tokenizers
 
-    from .bench_plan import ROOT, history as plan_history
+    from .bench_plan import ROOT
+    from .bench_plan import history as plan_history
 
     base = build_rules({"memory": {"enable_eviction": True, "budget": {
         "max_tokens": 6000, "max_chars": None, "max_messages": None, "max_turns": None},

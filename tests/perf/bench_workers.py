@@ -87,9 +87,9 @@ def group_cpu_s(pgid: int) -> float:
 def wrk(url: str, script: Path, payload: Path, seconds: float, conns: int) -> tuple[int, float]:
     """(requests, wrk's own CPU seconds) of one wrk run; any error response aborts."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s", "-s", str(script),
-                          url, "--", str(payload)], capture_output=True, text=True,
-                         timeout=seconds + 30, check=True).stdout
+    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s",
+                          "-s", str(script), url, "--", str(payload)],
+                         capture_output=True, text=True, timeout=seconds + 30, check=True).stdout
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     m = re.search(r"^WRK (\d+) (\d+) (\d+) (\d+)$", out, re.M)
     assert m is not None, out

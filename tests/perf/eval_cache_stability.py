@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """How often does eviction change the forwarded prefix? Naive sliding window vs stepped cut.
 
-    python tests/perf/eval_cache_stability.py [--bfcl ../shared/data/bfcl/long_context_payloads.jsonl]
+    python tests/perf/eval_cache_stability.py \\
+        [--bfcl ../shared/data/bfcl/long_context_payloads.jsonl]
 
 Replays growing sessions (each request = the previous history + one turn)
 through the planner and reports, per budget and policy:

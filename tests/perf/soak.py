@@ -33,7 +33,8 @@ from bench_gateway import Proc, body, free_port, history  # noqa: E402
 UPSTREAM = """
 import sys
 from aiohttp import web
-JSON = b'{"id":"x","object":"chat.completion","created":0,"model":"m","choices":[{"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"ok"}}]}'
+JSON = (b'{"id":"x","object":"chat.completion","created":0,"model":"m","choices":[{"index":0,'
+        b'"finish_reason":"stop","message":{"role":"assistant","content":"ok"}}]}')
 async def h(r):
     data = await r.read()
     if b'"stream":true' in data:
@@ -135,7 +136,7 @@ def main() -> None:
         asyncio.run(run(url, 3, 10))  # warm-up
         print(f"start: gateway RSS {rss_mb(gw.p.pid):.1f} MB, open fds {fds(gw.p.pid)}")
         if args.requests:
-            from gateway.cli import default_config
+            from gateway.resources import default_config
             from gateway.rules import load_rules
 
             cfg = default_config(None, os.environ)
