@@ -206,6 +206,7 @@ def intercept(wire: Wire) -> Handler:
         overhead_ms = 0.0
         # None: no usable credential (and no anonymous tenant), so no memory at all
         tenant = tenant_of(request.headers, rules.tenants)
+        info.tenant = tenant
         session = ""
         raw: bytes | None = None
         deferred = False
