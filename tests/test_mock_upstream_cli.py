@@ -77,3 +77,20 @@ def test_a_bad_port_is_one_line_and_exit_2(tmp_path: Path) -> None:
                          check=False)
     assert res.returncode == 2 and "--port 99999" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_the_eval_scripts_run_as_files_as_the_readme_writes_them(tmp_path: Path) -> None:
+    """`python tests/perf/eval_locomo.py` (the README's spelling) from a checkout whose
+    `tests` is not on the path: without the data sets, one line naming the missing file
+    and exit 2, not `ModuleNotFoundError: No module named 'tests'`."""
+    env = {"PATH": os.environ.get("PATH", "")}  # no PYTHONPATH: as a newcomer's shell
+    missing = tmp_path / "nothing-here"
+    runs = {script: subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "perf" / script), flag, str(missing)],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for script, flag in (("eval_locomo.py", "--data"), ("eval_bfcl_compact.py",
+                             "--payloads"), ("eval_cache_stability.py", "--bfcl"))}
+    for script, proc in runs.items():  # side by side: each pays the imports
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (script, err)
+        assert "Traceback" not in err and "not found" in err, err
