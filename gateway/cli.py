@@ -698,7 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "tenants.client_keys_sha256")
     hk.set_defaults(func=cmd_hash_key)
 
-    rp = sub.add_parser("replay", help="replay conversations: ab")
+    rp = sub.add_parser("replay", help="replay conversations: ab (A/B), expect (per turn)")
     rsub = rp.add_subparsers(dest="replay_command", required=True)
     ab = rsub.add_parser("ab", help="A (no eviction) vs B (a policy) on one long conversation")
     ab.add_argument("conversation", help="chat payload JSON (the long history), or a capture "

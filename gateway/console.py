@@ -39,7 +39,8 @@ TOP_SESSIONS = 20
 LOGIN_BYTES = 4096
 COOKIE = "memgate_console"
 COOKIE_MAX_AGE_S = 12 * 3600
-_NEXT = re.compile(r"/admin/console(/session\?id=[A-Za-z0-9._~%+:@/-]{1,400})?")
+_NEXT = re.compile(r"/admin/console(/session\?id=[A-Za-z0-9._~%+:@/-]{1,400}"
+                   r"(&t=[A-Za-z0-9._~%+:@/-]{0,400})?)?")
 
 # the [mem] fields a request's row shows (all small numbers, names and flags)
 SHOWN = ("turn", "hist_msgs", "hist_chars", "est_tokens", "budget_tokens", "evict",
@@ -52,6 +53,9 @@ SHOWN = ("turn", "hist_msgs", "hist_chars", "est_tokens", "budget_tokens", "evic
 _SHOWN = frozenset(SHOWN)
 
 Segment = tuple[int, int, str]  # first message, count, kind
+# (tenant, session): the tenant id (`t-<16 hex>`, the configured anonymous name, or "" for
+# a caller without a credential) keeps apart the sessions of two tenants that share an id
+SessionKey = tuple[str, str]
 # why the planner kept a message -> its kind on the strip (any other reason: kept)
 _KEPT_AS = {k: k for k in ("system", "current", "pinned", "recalled")}
 
@@ -160,7 +164,7 @@ class Console:
         self.rules = rules
         self.clock = clock
         self.minutes: list[Minute | None] = [None] * MINUTES
-        self.sessions: OrderedDict[str, SessionLog] = OrderedDict()
+        self.sessions: OrderedDict[SessionKey, SessionLog] = OrderedDict()
         self._rnd = random.Random(0)  # the reservoir's draws: reproducible
 
     def configure(self, rules: ConsoleRules) -> None:
@@ -204,7 +208,8 @@ class Console:
         self._sample(b, float(fields.get("overhead_ms") or 0.0))
         session = str(fields.get("session") or "")[:SESSION_CHARS]
         if session:
-            self._remember(session, self._seen(now, fields, d, fwd, strip))
+            tenant = str(getattr(info, "tenant", None) or "")[:SESSION_CHARS]
+            self._remember((tenant, session), self._seen(now, fields, d, fwd, strip))
 
     def _sample(self, b: Minute, value: float) -> None:
         b.offered += 1
@@ -230,14 +235,14 @@ class Console:
             record_texts=tuple(r[:TEXT_CHARS] for r in records) if text else (),
         )
 
-    def _remember(self, session: str, seen: Seen) -> None:
-        log = self.sessions.get(session)
+    def _remember(self, key: SessionKey, seen: Seen) -> None:
+        log = self.sessions.get(key)
         if log is None:
-            log = self.sessions[session] = SessionLog(deque(maxlen=self.rules.ring))
+            log = self.sessions[key] = SessionLog(deque(maxlen=self.rules.ring))
             while len(self.sessions) > self.rules.max_sessions:
                 self.sessions.popitem(last=False)
         else:
-            self.sessions.move_to_end(session)
+            self.sessions.move_to_end(key)
         log.ring.append(seen)
         log.requests += 1
 
@@ -250,9 +255,9 @@ class Console:
             out.append(slot if slot is not None and slot.minute == k else Minute(k))
         return out
 
-    def largest(self, n: int = TOP_SESSIONS) -> list[tuple[str, SessionLog]]:
+    def largest(self, n: int = TOP_SESSIONS) -> list[tuple[SessionKey, SessionLog]]:
         """The sessions whose latest request had the largest history."""
-        def size(item: tuple[str, SessionLog]) -> tuple[int, float]:
+        def size(item: tuple[SessionKey, SessionLog]) -> tuple[int, float]:
             last = item[1].ring[-1]
             return int(last.fields.get("est_tokens") or 0), last.at
         return sorted(self.sessions.items(), key=size, reverse=True)[:n]
@@ -361,18 +366,21 @@ async def page(request: web.Request) -> web.Response:
 
 
 async def session_page(request: web.Request) -> web.Response:
-    """GET /admin/console/session?id=<session>: one session's recent requests."""
+    """GET /admin/console/session?id=<session>&t=<tenant>: one session's recent requests
+    (no `t`: the session of callers without a credential)."""
     refused = _refusal(request)
     if refused is not None:
         return refused
     state: GatewayState = request.app[STATE]
     assert state.console is not None
     sid = request.query.get("id", "")
-    log = state.console.sessions.get(sid[:SESSION_CHARS])
+    tenant = request.query.get("t", "")
+    log = state.console.sessions.get((tenant[:SESSION_CHARS], sid[:SESSION_CHARS]))
     if log is None:
         return _page(view.message_page("No recent requests of this session (it may have "
                                        "been forgotten: console.max_sessions)."), 404)
-    return _page(view.session_page(sid, log, state.console.rules, _refresh_s(request)))
+    return _page(view.session_page(sid, log, state.console.rules, _refresh_s(request),
+                                   tenant=tenant))
 
 
 async def login(request: web.Request) -> web.Response:

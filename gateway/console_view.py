@@ -313,23 +313,31 @@ def _hour_section(hour: Sequence[Minute]) -> str:
             f'<section><div class="grid">{"".join(charts)}</div></section>')
 
 
-def session_link(sid: str) -> str:
-    return f'<a href="/admin/console/session?id={quote(sid, safe="")}">{_e(sid)}</a>'
+def session_url(sid: str, tenant: str = "") -> str:
+    """A session's page: the id and its tenant, since two tenants may share an id."""
+    t = f"&t={quote(tenant, safe='')}" if tenant else ""
+    return f"/admin/console/session?id={quote(sid, safe='')}{t}"
 
 
-def _sessions_section(largest: Sequence[tuple[str, SessionLog]]) -> str:
+def session_link(sid: str, tenant: str = "") -> str:
+    return f'<a href="{_e(session_url(sid, tenant))}">{_e(sid)}</a>'
+
+
+def _sessions_section(largest: Sequence[tuple[tuple[str, str], SessionLog]]) -> str:
     if not largest:
         return "<section><h2>Sessions</h2><p>No requests seen yet.</p></section>"
-    head = ("<tr><th>session</th><th class=num>requests</th><th class=num>turn</th>"
+    head = ("<tr><th>session</th><th>tenant</th><th class=num>requests</th><th class=num>turn</th>"
             "<th class=num>messages</th><th class=num>est. tokens</th><th class=num>forwarded"
             "</th><th>evict</th><th>cut</th><th class=num>prefix tokens</th><th>last seen</th>"
             "</tr>")
     rows = []
-    for sid, log in largest:
+    for (tenant, sid), log in largest:
         s = log.ring[-1]
         f = s.fields
         rows.append(
-            f'<tr class="session-row" data-session="{_e(sid)}"><td>{session_link(sid)}</td>'
+            f'<tr class="session-row" data-session="{_e(sid)}" data-tenant="{_e(tenant)}">'
+            f"<td>{session_link(sid, tenant)}</td>"
+            f'<td class="mono">{_e(tenant or "—")}</td>'
             f"<td class=num>{log.requests}</td><td class=num>{_n(f.get('turn'))}</td>"
             f"<td class=num>{_n(f.get('hist_msgs'))}</td>"
             f'<td class=num data-value="{_e(f.get("est_tokens", ""))}">'
@@ -340,7 +348,8 @@ def _sessions_section(largest: Sequence[tuple[str, SessionLog]]) -> str:
             f'{"".join(rows)}</table></section>')
 
 
-def main_page(st: Status, hour: Sequence[Minute], largest: Sequence[tuple[str, SessionLog]],
+def main_page(st: Status, hour: Sequence[Minute],
+              largest: Sequence[tuple[tuple[str, str], SessionLog]],
               rules: ConsoleRules, refresh_s: int = REFRESH_S) -> str:
     return _doc("memgate console", _status_section(st) + _hour_section(hour)
                 + _sessions_section(largest) + _footer(rules, refresh_s), refresh_s)
@@ -441,10 +450,12 @@ def _request(seen: Seen) -> str:
 
 
 def session_page(sid: str, log: SessionLog, rules: ConsoleRules,
-                 refresh_s: int = REFRESH_S) -> str:
+                 refresh_s: int = REFRESH_S, tenant: str = "") -> str:
     shadow = log.ring[-1].fields.get("mode") != "on"
     reqs = "".join(_request(s) for s in reversed(log.ring))
     body = (f'<section><h2>Session <span class="mono" id="session">{_e(sid)}</span></h2>'
+            f'<p>tenant <span class="mono" id="tenant">{_e(tenant or "— (no credential)")}'
+            "</span></p>"
             f"<p>{log.requests} requests seen, the last {len(log.ring)} below (newest first). "
             "Each strip is one request's messages in the client's order, first to last "
             "(recalled ones are forwarded just before the current turn; a dark mark: where "

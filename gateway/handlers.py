@@ -257,8 +257,9 @@ def _take_off(request: web.Request, wire: Wire) -> _Flight:
     rid = _RID.sub("", request.headers.get("X-Request-Id", ""))[:64] or os.urandom(8).hex()
     info = Relayed()
     span = state.tracer.start(request, info, wire) if state.tracer is not None else None
-    return _Flight(request, state, rules, wire, t0, rid, info, span,
-                   tenant_of(request.headers, rules.tenants))
+    # None: no usable credential (and no anonymous tenant), so no memory at all
+    info.tenant = tenant_of(request.headers, rules.tenants)  # observers key by it
+    return _Flight(request, state, rules, wire, t0, rid, info, span, info.tenant)
 
 
 async def _forward(f: _Flight) -> web.StreamResponse:

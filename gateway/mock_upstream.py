@@ -10,6 +10,7 @@ every chat body it got, per session header.
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections import OrderedDict
 from typing import Any
@@ -275,3 +276,36 @@ def create_mock_app() -> web.Application:
     app.router.add_post("/openai/v1/responses", responses)
     app.router.add_get("/v1/models", models)
     return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m gateway.mock_upstream`: the demo's upstream on its own, so the real SDKs
+    can be pointed at a gateway in front of it without a provider key or the network."""
+    import argparse
+    import socket
+
+    ap = argparse.ArgumentParser(
+        prog="python -m gateway.mock_upstream",
+        description="A deterministic, offline OpenAI/Anthropic-compatible upstream (chat "
+                    "completions, Responses, Messages, Azure routes; usage in every answer).")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    ap.add_argument("--port", type=int, default=9000,
+                    help="port to listen on (9000; 0 = any free port)")
+    args = ap.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        ap.error(f"--port {args.port}: must be 0-65535")
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        print(f"mock upstream: cannot listen on {args.host}:{args.port}: {exc.strerror}",
+              file=sys.stderr)
+        return 1
+    host, port = sock.getsockname()[:2]
+    print(f"mock upstream listening on http://{host}:{port}", flush=True)
+    web.run_app(create_mock_app(), sock=sock, print=None, handle_signals=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -55,6 +55,9 @@ class Relayed:
     # the provider's own token counts read from the answer (JSON or SSE), when it sent them:
     # keys input, cached, output (and cache_write for Anthropic)
     usage: dict[str, int] | None = None
+    # the caller's tenant (None: no usable credential), for observers that keep per-session
+    # state: a session id two tenants share is two sessions
+    tenant: str | None = None
 
     def client_left(self) -> None:
         """The client hung up: a stream it was sent to its terminal event is complete

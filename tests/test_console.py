@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from html import unescape
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +74,12 @@ def test_sessions_and_rings_are_bounded() -> None:
         for r in range(4):
             c.observe(fields(f"s{k}", f"r{k}-{r}", est=10 * k), None, None)
     c.observe(fields("s2", "again"), None, None)  # s2 becomes the most recent
-    assert list(c.sessions) == ["s3", "s4", "s2"]
-    assert [s.fields["req"] for s in c.sessions["s4"].ring] == ["r4-2", "r4-3"]
-    assert c.sessions["s4"].requests == 4
+    assert list(c.sessions) == [("", "s3"), ("", "s4"), ("", "s2")]  # no tenant: ""
+    assert [s.fields["req"] for s in c.sessions[("", "s4")].ring] == ["r4-2", "r4-3"]
+    assert c.sessions[("", "s4")].requests == 4
     c.configure(ConsoleRules(enabled=True, max_sessions=2, ring=1))
-    assert list(c.sessions) == ["s4", "s2"]
-    assert [s.fields["req"] for s in c.sessions["s2"].ring] == ["again"]
+    assert list(c.sessions) == [("", "s4"), ("", "s2")]
+    assert [s.fields["req"] for s in c.sessions[("", "s2")].ring] == ["again"]
     assert sum(m.requests for m in c.hour()) == 21
 
 
@@ -208,8 +209,10 @@ async def test_text_only_with_show_text_and_ids_escaped(
             async with s.get(f"{gw.url}/admin/console", headers=ADMIN) as r:
                 main = await r.text()
             link = re.search(r'href="(/admin/console/session\?id=[^"]+)"', main)
-            assert link is not None and link[1].endswith("team%2Fa%40b%3A1.x")
-            async with s.get(f"{gw.url}{link[1]}", headers=ADMIN) as r:
+            assert link is not None
+            url = unescape(link[1])
+            assert url.startswith("/admin/console/session?id=team%2Fa%40b%3A1.x&t=t-")
+            async with s.get(f"{gw.url}{url}", headers=ADMIN) as r:
                 assert r.status == 200
                 one = await r.text()
         assert f'<span class="mono" id="session">{sid}</span>' in one
@@ -228,7 +231,7 @@ def test_client_strings_are_escaped() -> None:
     evil = '<img src=x onerror="alert(1)">&'
     c = Console(ConsoleRules(enabled=True), clock=lambda: 1_000_000.0)
     c.observe({**fields(evil, evil), "model": evil}, None, None)
-    log = c.sessions[evil]
+    log = c.sessions[("", evil)]
     for html in (view.session_page(evil, log, c.rules),
                  view.session_link(evil)):
         assert evil not in html and "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in html
@@ -295,3 +298,55 @@ async def test_remote_callers_are_refused_unless_opened(gateway: GatewayFactory)
         assert req.remote == "10.1.2.3"
         resp = await console.page(req)
         assert resp.status == want
+
+
+async def test_two_tenants_sharing_a_session_id_are_two_sessions(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """Two keys (the openai SDK) and a keyless caller sending the same X-Session-Id are
+    three rows, each tenant's link opening only that tenant's requests; the tenant shown
+    is the `t-<16 hex>` hash, never a key."""
+    import openai
+
+    gw = await gateway(console={"enabled": True}, env={"MEMGATE_ADMIN_TOKEN": TOKEN})
+    keys = ("sk-tenant-A-" + SECRET, "sk-tenant-B-" + SECRET)
+    sent: dict[str, list[str]] = {}
+    for n, key in enumerate(keys):
+        async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=key,
+                                      max_retries=0) as c:
+            for r in range(n + 1):  # A sends one request, B two
+                rid = f"k{n}-r{r}"
+                await c.chat.completions.create(
+                    model="gpt-4o-mini", messages=[{"role": "user", "content": "hi " * (r + 1)}],
+                    extra_headers={"X-Session-Id": "shared", "X-Request-Id": rid})
+                sent.setdefault(key, []).append(rid)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{gw.url}/v1/chat/completions", data=orjson.dumps(
+                {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
+                headers={"X-Session-Id": "shared", "X-Request-Id": "anon"}) as r:
+            assert r.status == 200
+        await gw.wait_mem(4)
+        async with s.get(f"{gw.url}/admin/console", headers=ADMIN) as r:
+            main = await r.text()
+        rows = re.findall(r'class="session-row" data-session="shared" data-tenant="([^"]*)"',
+                          main)
+        assert len(rows) == 3 and len(set(rows)) == 3 and "" in rows
+        tenants = [t for t in rows if t]
+        assert all(re.fullmatch(r"t-[0-9a-f]{16}", t) for t in tenants)
+        for key in keys:
+            assert key not in main
+        seen: dict[str, list[str]] = {}
+        for href in re.findall(r'href="(/admin/console/session\?id=shared[^"]*)"', main):
+            async with s.get(f"{gw.url}{unescape(href)}", headers=ADMIN) as r:
+                assert r.status == 200
+                one = await r.text()
+            tenant = re.search(r'id="tenant">([^<]*)<', one)
+            assert tenant is not None
+            seen[tenant[1]] = re.findall(r'class="req[^"]*" data-req="([^"]+)"', one)
+        async with s.get(f"{gw.url}/admin/console/session?id=shared&t=t-0000000000000000",
+                         headers=ADMIN) as r:
+            assert r.status == 404  # a tenant that never sent it: nothing
+    assert sorted(len(v) for v in seen.values()) == [1, 1, 2]
+    assert sorted(seen[t] for t in tenants) == sorted(
+        list(reversed(v)) for v in sent.values())  # newest first
+    assert [v for t, v in seen.items() if t not in tenants] == [["anon"]]

@@ -4,6 +4,7 @@ a gateway under a small scripted load from the real SDKs: its figures are the [m
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import os
 import re
@@ -127,7 +128,9 @@ async def test_console_in_a_browser(gateway: GatewayFactory, upstream: Upstream,
     await load(gw)
     events = await gw.wait_mem(6)
     sid = "agent/orders-1"
-    then = "/admin/console/session?id=agent%2Forders-1"
+    # the session's tenant: the hash of the load's key, as the overview's link carries it
+    then = ("/admin/console/session?id=agent%2Forders-1&t=t-"
+            + hashlib.sha256(SECRET.encode()).hexdigest()[:16])
     (main_dom, main_png), (session_dom, session_png) = await asyncio.gather(
         browse(gw, tmp_path, "overview", "/admin/console"), browse(gw, tmp_path, "session", then))
     keep = os.environ.get("MEMGATE_CONSOLE_SCREENSHOTS")  # e.g. docs/console, to look at

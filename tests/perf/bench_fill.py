@@ -20,6 +20,7 @@ import argparse
 import gc
 import importlib
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,10 @@ from gateway.chat import decide
 from gateway.history import HistoryCache
 from gateway.rules import build_rules
 from gateway.tokens import Tokenizers
+
+if __package__ in (None, ""):  # run as a file (python tests/perf/X.py): the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # makes tests importable
+
 from tests.perf.bench_plan import history
 
 ROOT = Path(__file__).resolve().parents[2]

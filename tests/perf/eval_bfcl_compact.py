@@ -24,6 +24,7 @@ bytes outside the prefix shared with the session's previous request, cost = unca
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,10 @@ from gateway.chat import current_turn_start, decide
 from gateway.policy.compact import MARK
 from gateway.rules import build_rules
 from gateway.tokens import Tokenizers
+
+if __package__ in (None, ""):  # run as a file (python tests/perf/X.py): the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # makes tests importable
+
 from tests.perf.shared_data import default_data_dir, require
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,6 +25,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,10 @@ import orjson
 from gateway.chat import decide
 from gateway.rules import build_rules
 from gateway.tokens import Tokenizers
+
+if __package__ in (None, ""):  # run as a file (python tests/perf/X.py): the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # makes tests importable
+
 from tests.perf.shared_data import require
 
 ROOT = Path(__file__).resolve().parents[2]

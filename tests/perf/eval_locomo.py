@@ -34,6 +34,10 @@ from gateway.recall import recall
 from gateway.rules import build_rules
 from gateway.store import StoreRules
 from gateway.tokens import Tokenizers
+
+if __package__ in (None, ""):  # run as a file (python tests/perf/X.py): the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # makes tests importable
+
 from tests.perf.shared_data import default_data_dir, require
 
 ROOT = Path(__file__).resolve().parents[2]
