@@ -8,8 +8,9 @@ Starts a fixed-answer upstream and memgate (eviction on, the shipped config) onc
 run, drives N sessions (X-Session-Id, one request each, with a tenant key) in steps and
 reads VmRSS (/proc/<pid>/status) and the history cache's own estimate
 (`memgate_history_cache_bytes` on /metrics) after every step; the slope is reported:
-  1.  `session.history_cache_mb: 0`, every session the same 10-message history: what the
-      tracked-session state alone (last cut, token sums, carry snapshot) costs;
+  1.  `session.history_cache_mb: 0`, every session the same `--msgs`-message history
+      (over the budget, so it is cut): what the tracked-session state alone (last cut,
+      token sums, carry snapshot) costs;
   1b. the same with a history of its own per session: plus the token-count cache entries
       of new content (bounded by `tokens.cache_size`);
   2a/2. `--msgs`-message histories of their own, cache off / on (large enough that
@@ -136,9 +137,10 @@ def main() -> None:
             for n, rss, c in rows:
                 print(f"  sessions {n:>6}  VmRSS {rss:8.1f} MB  history cache {c:6.1f} MB")
 
-        s1 = series(py, upstream, config(where, 0, tracked), a.steps, per, 10, False,
+        s1 = series(py, upstream, config(where, 0, tracked), a.steps, per, a.msgs, False,
                     where / "run1.log")
-        show("run 1: history cache off, every session the same 10-message history", s1)
+        show(f"run 1: history cache off, every session the same {a.msgs}-message history "
+             "(cut: the session's cut and carry snapshot are kept)", s1)
         per_k = slope([n for n, _, _ in s1], [r for _, r, _ in s1]) * 1000
         print(f"  => RSS per 1,000 tracked sessions: {per_k:.2f} MB")
         s1b = series(py, upstream, config(where, 0, tracked), a.steps, per, 10, True,

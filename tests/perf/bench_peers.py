@@ -95,11 +95,13 @@ class Recorder:
     """Wraps the harness's start_target and run_wrk: which target/payload/concurrency ran
     when (wall clock, to split memgate's [mem] lines), and the load average per target."""
 
-    def __init__(self, mod: ModuleType) -> None:
+    def __init__(self, mod: Any) -> None:
         self.windows: list[dict[str, Any]] = []
         self.load: dict[str, list[float]] = {}
         self.target = ""
-        start_target, run_wrk = mod.start_target, mod.run_wrk
+        # the harness's own functions, whatever an earlier round's Recorder put there
+        start_target = mod.__dict__.setdefault("_orig_start_target", mod.start_target)
+        run_wrk = mod.__dict__.setdefault("_orig_run_wrk", mod.run_wrk)
 
         def start(name: str, args: Any, upstream: str, phase: str, port: int) -> Any:
             self.target = name
@@ -119,7 +121,7 @@ class Recorder:
 
 def mem_lines(log: Path) -> list[tuple[float, float]]:
     """(unix time, overhead_ms) of every [mem] line of a memgate log."""
-    out = []
+    out: list[tuple[float, float]] = []
     if not log.exists():
         return out
     for line in log.read_bytes().splitlines():
@@ -158,7 +160,7 @@ def overheads(rec: Recorder, run_dir: Path, target: str) -> dict[str, dict[str, 
     return res
 
 
-def one_round(mod: ModuleType, k: int, a: argparse.Namespace, cfg: Path, out: Path) -> dict:
+def one_round(mod: ModuleType, k: int, a: argparse.Namespace, cfg: Path, out: Path) -> dict[str, Any]:
     rec = Recorder(mod)
     run_dir, res_path = out / f"run{k}", out / f"round{k}.json"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -179,11 +181,12 @@ def one_round(mod: ModuleType, k: int, a: argparse.Namespace, cfg: Path, out: Pa
         rc = mod.main()
     finally:
         sys.argv = old
-    result = json.loads(res_path.read_text())
+    result: dict[str, Any] = json.loads(res_path.read_text())
     result["rc"] = rc
     result["loadavg_start"] = load0
     result["loadavg_end"] = os.getloadavg()
     result["loadavg_per_target"] = rec.load
+    result["windows"] = rec.windows
     result["overhead_ms"] = {t: overheads(rec, run_dir, t) for t in targets
                              if t.startswith("memgate")}
     res_path.write_text(json.dumps(result, indent=2, default=str))
@@ -195,7 +198,7 @@ def med(vals: list[float | None]) -> float | None:
     return statistics.median(got) if got else None
 
 
-def cell(rounds: list[dict], target: str, payload: str, key: str) -> list[float | None]:
+def cell(rounds: list[dict[str, Any]], target: str, payload: str, key: str) -> list[float | None]:
     out = []
     for r in rounds:
         row = next((x for x in r["results"] if x["target"] == target and x["payload"] == payload
@@ -204,7 +207,7 @@ def cell(rounds: list[dict], target: str, payload: str, key: str) -> list[float 
     return out
 
 
-def stream(rounds: list[dict], target: str, key: str) -> list[float | None]:
+def stream(rounds: list[dict[str, Any]], target: str, key: str) -> list[float | None]:
     return [next((s.get(key) for s in r["streaming"] if s["target"] == target), None)
             for r in rounds]
 
@@ -213,7 +216,7 @@ def f(v: float | None, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def report(rounds: list[dict], targets: list[str], payloads: list[str]) -> str:
+def report(rounds: list[dict[str, Any]], targets: list[str], payloads: list[str]) -> str:
     """Median of the rounds for every figure; each round's value in [] where it matters."""
     L: list[str] = []
     for k, r in enumerate(rounds):
@@ -224,7 +227,7 @@ def report(rounds: list[dict], targets: list[str], payloads: list[str]) -> str:
     L.append("")
     L.append(f"{'target':<20} {'payload':<17} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} "
              f"{'+p99 ms':>8} {'req/s':>7} {'rps/pt':>6} {'cpu us':>7} {'cpu/pt':>6}  rounds +p50")
-    med_tab: dict[tuple[str, str], dict[str, float | None]] = {}
+    med_tab: dict[tuple[str, str], dict[str, Any]] = {}
     for t in targets:
         for p in payloads:
             d50, d99 = cell(rounds, "direct", p, "p50_ms"), cell(rounds, "direct", p, "p99_ms")
@@ -233,13 +236,13 @@ def report(rounds: list[dict], targets: list[str], payloads: list[str]) -> str:
             pt_rps = cell(rounds, "aiohttp-passthrough", p, "rps")
             pt_cpu = cell(rounds, "aiohttp-passthrough", p, "cpu_us_per_req")
 
-            def diff(x: list, y: list) -> list[float | None]:
+            def diff(x: list[Any], y: list[Any]) -> list[float | None]:
                 return [a - b if a is not None and b is not None else None for a, b in zip(x, y)]
 
-            def ratio(x: list, y: list) -> list[float | None]:
+            def ratio(x: list[Any], y: list[Any]) -> list[float | None]:
                 return [a / b if a is not None and b else None for a, b in zip(x, y)]
 
-            m = {"p50": med(p50), "p99": med(p99), "add50": med(diff(p50, d50)),
+            m: dict[str, Any] = {"p50": med(p50), "p99": med(p99), "add50": med(diff(p50, d50)),
                  "add99": med(diff(p99, d99)), "rps": med(rps), "rps_pt": med(ratio(rps, pt_rps)),
                  "cpu": med(cpu), "cpu_pt": med(ratio(cpu, pt_cpu))}
             med_tab[(t, p)] = m
@@ -281,8 +284,9 @@ def report(rounds: list[dict], targets: list[str], payloads: list[str]) -> str:
                                          o99 is not None and o99 <= OVERHEAD_P99))
     mg_tt = stream(rounds, "memgate", "ttfb_p50_ms")
     dd = [a - b if a is not None and b is not None else None for a, b in zip(mg_tt, pt_ttfb)]
-    verdicts.append(mark("stream TTFB <= passthrough + 0.2 ms", med(dd),
-                         med(dd) is not None and med(dd) <= 0.2))
+    d_tt = med(dd)
+    verdicts.append(mark("stream TTFB <= passthrough + 0.2 ms", d_tt,
+                         d_tt is not None and d_tt <= 0.2))
     c = med_tab.get(("memgate", "medium"), {}).get("cpu_pt")
     verdicts.append(mark("CPU/request, eviction on, <= 1.6x passthrough (medium)", c,
                          c is not None and c <= 1.6))
