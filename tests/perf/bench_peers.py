@@ -80,7 +80,11 @@ def custom_targets(cfg: Path) -> dict[str, str]:
     # minus what needs a model download or a network: Kompress (ML compression), the
     # semantic cache; rate limiting (60 rpm by default) and telemetry off; its LiteLLM
     # import kept from fetching the cost map; egress to anything but loopback fails fast
+    # tiktoken's o200k/cl100k files cannot be fetched offline: a load error is retried
+    # (and fails optimisation) on every request, a load timeout is remembered and
+    # Headroom falls back to its token estimate, so the timeout is made immediate
     hr = ("HEADROOM_TELEMETRY=off HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "
+          "HEADROOM_TIKTOKEN_LOAD_TIMEOUT_SECONDS=0.001 "
           "LITELLM_LOCAL_MODEL_COST_MAP=True LITELLM_LOG=ERROR "
           "HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 "
           "NO_PROXY=127.0.0.1,localhost "
