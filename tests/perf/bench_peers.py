@@ -4,7 +4,7 @@ user would pick instead (LiteLLM proxy, Headroom proxy), same payloads, same ngi
 upstream, one run, as ratios/differences against `direct` and `aiohttp-passthrough`
 measured in the same run (issue #22 item 2).
 
-    bash ../shared/bench/setup.sh                      # nginx, wrk, /tmp/bench-venv, /tmp/litellm-venv
+    bash ../shared/bench/setup.sh     # nginx, wrk, /tmp/bench-venv, /tmp/litellm-venv
     python3.11 -m venv /tmp/headroom-venv && /tmp/headroom-venv/bin/pip install 'headroom-ai[proxy]'
     python tests/perf/bench_peers.py [--rounds 2] [--duration 4] [--warmup 1]
 
@@ -164,7 +164,8 @@ def overheads(rec: Recorder, run_dir: Path, target: str) -> dict[str, dict[str, 
     return res
 
 
-def one_round(mod: ModuleType, k: int, a: argparse.Namespace, cfg: Path, out: Path) -> dict[str, Any]:
+def one_round(mod: ModuleType, k: int, a: argparse.Namespace, cfg: Path,
+              out: Path) -> dict[str, Any]:
     rec = Recorder(mod)
     run_dir, res_path = out / f"run{k}", out / f"round{k}.json"
     run_dir.mkdir(parents=True, exist_ok=True)
