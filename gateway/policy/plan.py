@@ -574,6 +574,16 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     conv, decision = st.conv, st.decision
     groups = conv.groups
     end = st.first_current
+    max_turns = st.rules.limits.max_turns
+    turns = 0
+    if max_turns is not None:  # turns the stable part kept (the cap counts recalled ones too)
+        turns = len({groups[g].turn for g, d in enumerate(decision)
+                     if d is not None and d[0] == KEEP and groups[g].turn})
+        if turns >= max_turns:
+            # every candidate would open a turn (none is recalled yet), which the cap
+            # refuses: nothing can come back, so nothing is read or ranked (a long
+            # session under the shipped max_turns: 2,000 messages, decide ~6.7 -> 1.9 ms)
+            return
     query = "\n".join(fill.group_text(groups[g], text_of)
                       for g in range(end, len(groups)) if groups[g].is_user)
     if not query.strip():
@@ -581,11 +591,6 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     idx = fill.index_history(conv, end, text_of)
     # the system part's terms are every request's: they say nothing about what to recall
     common = fill.common_terms("\n".join(text_of(i) for i in conv.fixed)) if conv.fixed else ()
-    max_turns = st.rules.limits.max_turns
-    turns = 0
-    if max_turns is not None:  # turns the stable part kept (the cap counts recalled ones too)
-        turns = len({groups[g].turn for g, d in enumerate(decision)
-                     if d is not None and d[0] == KEEP and groups[g].turn})
     mark = _mark(KEEP, "recalled")
     eligible = _Eligible(st, end)  # dropped groups of complete turns, read per group
     ranked = fill.rank(idx, query, eligible, common)

@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""A/B of the eviction-on decision, recall on: two checkouts, interleaved (not a test).
+
+    python tests/perf/bench_fill_ab.py /work/main /work/wt/fast [--rounds 7]
+
+Each round runs one subprocess per checkout (alternating which goes first), timing the
+CPU time of `decide()` for a growing session's request (the history cache holds the
+previous one: the server's warm path, `session+1` in bench_plan.py) at 60 / 300 /
+2,000 messages with the shipped rules/gateway.yaml, eviction on. Prints the median over rounds of the
+per-round medians, and B/A. Same run, same machine load for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+CHILD = r'''
+import json, statistics, sys, time
+import orjson, yaml
+from tests.perf.bench_plan import ROOT, history
+from gateway.chat import decide
+from gateway.history import HistoryCache
+from gateway.rules import build_rules
+from gateway.tokens import Tokenizers
+out = {}
+for n in map(int, sys.argv[1].split(",")):
+    cfg = yaml.safe_load((ROOT / "rules/gateway.yaml").read_text())
+    cfg["memory"]["enable_eviction"] = True  # the shipped config, eviction on
+    rules = build_rules(cfg, base_dir=ROOT)
+    msgs = history(n)
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+    grown = orjson.dumps({"model": "gpt-4o-mini", "messages": [
+        *msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]})
+    tok, cache = Tokenizers(200_000), HistoryCache(1 << 30, 16)
+    samples = []
+    fwd = None
+    for _ in range(int(sys.argv[2])):
+        decide(raw, orjson.loads(raw), rules, tok, history=cache, key=("t", "s"))
+        body = orjson.loads(grown)
+        t0 = time.process_time_ns()
+        d = decide(grown, body, rules, tok, history=cache, key=("t", "s"))
+        samples.append(time.process_time_ns() - t0)
+        fwd = d.forward if fwd is None else fwd
+    out[n] = [statistics.median(samples) / 1e6, len(fwd or b""), hash(fwd)]
+print(json.dumps(out))
+'''
+
+
+def run(tree: str, sizes: str, repeat: int) -> dict[str, list[float]]:
+    env = dict(os.environ, PYTHONPATH=tree, PYTHONHASHSEED="0")
+    res = subprocess.run([sys.executable, "-c", CHILD, sizes, str(repeat)], cwd=tree, env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads(res.stdout)  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=40)
+    ap.add_argument("--sizes", default="60,300,2000")
+    args = ap.parse_args()
+    got: dict[str, dict[str, list[float]]] = {args.a: {}, args.b: {}}
+    for r in range(args.rounds):
+        for tree in ((args.a, args.b) if r % 2 == 0 else (args.b, args.a)):
+            for n, (ms, size, h) in run(tree, args.sizes, args.repeat).items():
+                got[tree].setdefault(n, []).append(ms)
+                got[tree].setdefault(n + ":fwd", []).append(h)
+    print(f"{'messages':>9} {'A ms':>8} {'B ms':>8} {'B/A':>6} {'same forward':>13}")
+    for n in args.sizes.split(","):
+        a, b = statistics.median(got[args.a][n]), statistics.median(got[args.b][n])
+        same = got[args.a][n + ":fwd"] == got[args.b][n + ":fwd"]
+        print(f"{n:>9} {a:>8.3f} {b:>8.3f} {b / a:>6.2f} {str(same):>13}")
+
+
+if __name__ == "__main__":
+    main()
