@@ -218,3 +218,37 @@ def test_index_grown_request_by_request_scores_as_one_built_at_once(
     assert all(math.isclose(got[g], expect[g]) for g in got)
     ranked = fill.rank(idx, query, eligible)
     assert len(ranked) == len(set(ranked)) and set(ranked) <= eligible
+
+
+def turn_capped(share: float, max_turns: int | None) -> Rules:
+    return build_rules({
+        "memory": {"enable_eviction": True,
+                   "budget": {"max_tokens": 400, "max_chars": None, "max_messages": None,
+                              "max_turns": max_turns},
+                   "eviction": {"recall_share": share}},
+        "tokens": {"models_file": "rules/models.yaml"}}, base_dir=ROOT)
+
+
+def test_fill_recalls_a_turn_only_while_the_turn_cap_has_room() -> None:
+    """The cap counts every kept turn (the current one and recalled ones too): with the
+    stable part holding max_turns turns the fill brings nothing back (and skips reading
+    the history, issue #22); with room for one more the turn asked about comes back."""
+    msgs = long_chat("What is the name of my sister's cat?")
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+    full_seen = room_seen = 0
+    for cap in range(2, 14):
+        d = decide(raw, orjson.loads(raw), turn_capped(0.5, cap), TOK)
+        assert d.plan is not None
+        stable = [i for i, why in zip(d.plan.kept, d.plan.kept_by)
+                  if why not in ("system", "recalled")]
+        turns = len({(i - 1) // 2 for i in stable})  # user, assistant per turn
+        assert turns + len({(i - 1) // 2 for i in d.plan.recalled}) <= cap
+        if turns == cap:
+            full_seen += 1
+            assert d.plan.recalled == () and list(d.plan.kept) == [0, *stable]
+            assert d.forward == orjson.dumps({"model": "gpt-4o-mini",
+                                              "messages": [msgs[i] for i in d.plan.kept]})
+        else:
+            room_seen += 1
+            assert 7 in d.plan.recalled  # the cat
+    assert full_seen and room_seen

@@ -6,8 +6,8 @@
 Each round runs one subprocess per checkout (alternating which goes first), timing the
 CPU time of `decide()` for a growing session's request (the history cache holds the
 previous one: the server's warm path, `session+1` in bench_plan.py) at 60 / 300 /
-2,000 messages with the shipped rules/gateway.yaml, eviction on. Prints the median over rounds of the
-per-round medians, and B/A. Same run, same machine load for both.
+2,000 messages with the shipped rules/gateway.yaml, eviction on. Prints the median over
+rounds of the per-round medians, and B/A. Same run, same machine load for both.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main() -> None:
     got: dict[str, dict[str, list[float]]] = {args.a: {}, args.b: {}}
     for r in range(args.rounds):
         for tree in ((args.a, args.b) if r % 2 == 0 else (args.b, args.a)):
-            for n, (ms, size, h) in run(tree, args.sizes, args.repeat).items():
+            for n, (ms, _size, h) in run(tree, args.sizes, args.repeat).items():
                 got[tree].setdefault(n, []).append(ms)
                 got[tree].setdefault(n + ":fwd", []).append(h)
     print(f"{'messages':>9} {'A ms':>8} {'B ms':>8} {'B/A':>6} {'same forward':>13}")
