@@ -159,10 +159,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or rules.listen_host
     port = args.port if args.port is not None else rules.listen_port
     if port == rules.listen_admin_port:
-        print(f"memgate: --port {port} is listen.admin_port too: give each its own port",
-              file=sys.stderr)
-        return 2
-    workers = _workers_or_exit(args.workers or env.get("MEMGATE_WORKERS") or "1")
+        raise CommandError(f"--port {port} is listen.admin_port too: give each its own port",
+                           EXIT_USAGE)
+    workers = _workers_count(args.workers or env.get("MEMGATE_WORKERS") or "1")
     if workers > 1 and args.worker is None:
         code = _supervise(args, config, env, host, port, workers, log)
         if code is not None:
@@ -172,14 +171,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_async(lambda: serve_forever(app, host, port, log, args.drain_s, args.worker))
 
 
-def _workers_or_exit(text: str) -> int:
+def _workers_count(text: str) -> int:
     from .workers import parse_workers
 
     try:
         return parse_workers(text)
     except ValueError as exc:
-        print(f"memgate serve: --workers / MEMGATE_WORKERS: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise CommandError(f"--workers / MEMGATE_WORKERS: {exc}", EXIT_USAGE) from None
 
 
 def _supervise(args: argparse.Namespace, config: Path | None, env: Mapping[str, str],
@@ -190,9 +188,8 @@ def _supervise(args: argparse.Namespace, config: Path | None, env: Mapping[str, 
 
     try:
         reserved = mp.reserve_port(host, port)
-    except OSError as exc:
-        print(f"memgate serve: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
-        return 2
+    except OSError as exc:  # the same one line and exit code as a single process's bind
+        raise listen_error(host, port, exc) from None
     if reserved is None:
         log.warning("workers_unsupported", wanted=workers, serving=1,
                     reason="no SO_REUSEPORT on this OS: one process serves")

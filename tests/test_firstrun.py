@@ -91,13 +91,15 @@ def test_other_missing_files_are_one_line_and_exit_2(
     assert line.startswith(where) and "nope" in line, line
 
 
-def test_a_port_in_use_is_one_line_and_exit_1() -> None:
-    """serve on a port another socket holds: the address and why, exit 1."""
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_port_in_use_is_one_line_and_exit_1(workers: str) -> None:
+    """serve on a port another socket holds: the address and why, exit 1 (the same with
+    several workers, whose parent reserves the port first)."""
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        res = memgate("serve", "--port", str(port))
+        res = memgate("serve", "--port", str(port), "--workers", workers)
     assert "Traceback" not in res.stderr and res.returncode == 1, res.stderr
     last = res.stderr.strip().splitlines()[-1]
     assert last == (f"memgate serve: cannot listen on 127.0.0.1:{port}: the address is "
