@@ -35,11 +35,9 @@ EXIT_FAILED, EXIT_USAGE = 1, 2  # and 0: ok
 
 
 def _load_or_exit(config: Path | None, env: Mapping[str, str]) -> Rules:
-    try:
-        return load_rules(config, env)
-    except RulesError as exc:
-        print(f"memgate: invalid config: {exc}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE) from None
+    """The rules, or (through main) `memgate CMD: invalid config: file:line: key: reason`
+    and exit 2."""
+    return load_rules(config, env)
 
 
 def port_number(text: str) -> int:
@@ -247,8 +245,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     try:
         payload = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        print(f"memgate evict: {args.payload}: not JSON: {exc}", file=sys.stderr)
-        return 2
+        raise CommandError(f"{args.payload}: not JSON: {exc}", EXIT_USAGE) from None
     tokenizers = Tokenizers(rules.token_cache_size)
     captured = None
     if is_capture(payload):
@@ -261,9 +258,8 @@ def cmd_evict(args: argparse.Namespace) -> int:
     try:
         d = decide(raw, payload, rules, tokenizers, wire)
     except GatewayError as exc:
-        print(f"memgate evict: the gateway would answer {exc.status}: {exc.message}",
-              file=sys.stderr)
-        return 1
+        raise CommandError(f"the gateway would answer {exc.status}: {exc.message}",
+                           EXIT_FAILED) from None
     if rules.store.recall_enabled and d.mode == "on" and d.plan is not None:
         d = run_async(lambda: _recall_offline(d, rules, env, payload, tokenizers, wire))
     if args.json:
@@ -356,9 +352,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.plot:
         source = " ".join(args.paths) + f"  ({stats.describe_sources(summary['sources'])})"
         error = stats.plot(report, args.plot, report.budget_tokens, source, log=args.log)
-        if error:
-            print(f"memgate stats: {error}", file=sys.stderr)
-            return 2
+        if error:  # nothing measured is the command failing; no matplotlib, a usage error
+            raise CommandError(error, EXIT_FAILED if not report.samples else EXIT_USAGE)
     return 0 if report.samples else 1
 
 
@@ -372,9 +367,14 @@ def cmd_replay_ab(args: argparse.Namespace) -> int:
     rules = _load_or_exit(default_config(args.config, env), env)
     try:
         return replay.main(args, rules)
-    except (OSError, ValueError, RuntimeError, aiohttp_errors()) as exc:
-        print(f"memgate replay ab: {exc}", file=sys.stderr)
-        return 2
+    except (aiohttp_errors(), TimeoutError) as exc:  # before OSError: some are OSErrors too
+        why = str(exc) or "no answer in time"
+        raise CommandError(f"upstream {replay.shown_url(args.upstream)}: {why}",
+                           EXIT_FAILED) from None
+    except RuntimeError as exc:  # the upstream answered an error
+        raise CommandError(str(exc), EXIT_FAILED) from None
+    except ValueError as exc:  # the conversation, the probes or a flag
+        raise CommandError(str(exc), EXIT_USAGE) from None
 
 
 def cmd_replay_expect(args: argparse.Namespace) -> int:
@@ -384,14 +384,13 @@ def cmd_replay_expect(args: argparse.Namespace) -> int:
     rules = _load_or_exit(default_config(args.config, env), env)
     patterns = rules.memory.carry_patterns
     if patterns is None:
-        print("memgate replay expect: the config has no memory.carry section", file=sys.stderr)
-        return 2
-    try:
+        raise CommandError(f"{rules.source or 'the config'} has no memory.carry section",
+                           EXIT_USAGE)
+    try:  # a missing or unreadable file: main names it (exit 2)
         session = expect.load_session(Path(args.session))
         expectations = expect.load_expectations(Path(args.expect))
-    except (OSError, ValueError) as exc:
-        print(f"memgate replay expect: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
     lines = expect.run(session, expectations, patterns, rules.memory.carry)
     print("\n".join(lines))
     failed = any(" FAIL" in ln for ln in lines)
@@ -439,9 +438,12 @@ seen, changed or deleted."""
 
 def _search_body(args: argparse.Namespace, default_top_k: int) -> dict[str, Any]:
     """The POST /v1/memories/search body the search flags describe."""
-    flt: dict[str, Any] = orjson.loads(args.filter) if args.filter else {}
+    try:
+        flt: dict[str, Any] = orjson.loads(args.filter) if args.filter else {}
+    except orjson.JSONDecodeError as exc:
+        raise CommandError(f"--filter: not JSON: {exc}", EXIT_USAGE) from None
     if not isinstance(flt, dict):
-        raise ValueError("--filter: must be a JSON object")
+        raise CommandError("--filter: must be a JSON object", EXIT_USAGE)
     for key in ("agent_id", "session_id", "time_from", "time_to", "memory_type"):
         if getattr(args, key, None) is not None:
             flt[key] = getattr(args, key)
@@ -456,13 +458,16 @@ def _search_body(args: argparse.Namespace, default_top_k: int) -> dict[str, Any]
 
 def _memory_body(args: argparse.Namespace) -> Any:
     if args.memory_command == "write":
-        return orjson.loads(sys.stdin.buffer.read() if args.json == "-" else args.json)
+        try:
+            return orjson.loads(sys.stdin.buffer.read() if args.json == "-" else args.json)
+        except orjson.JSONDecodeError as exc:
+            raise CommandError(f"the record is not JSON: {exc}", EXIT_USAGE) from None
     return None
 
 
-async def _memory_http(args: argparse.Namespace, key: str, default_top_k: int) -> tuple[
-        int, Any]:
-    """(exit code, output) of one call to a running gateway's memory API."""
+async def _memory_http(args: argparse.Namespace, key: str, default_top_k: int) -> Any:
+    """The output of one call to a running gateway's memory API (an error answer raises
+    CommandError)."""
     import aiohttp
     from yarl import URL
 
@@ -489,10 +494,12 @@ async def _memory_http(args: argparse.Namespace, key: str, default_top_k: int) -
             data = {"error": {"message": raw[:200].decode("utf-8", "replace")}}
         if r.status >= 400:
             msg = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
-            print(f"memgate memory {cmd}: the gateway answered {r.status}: {msg}",
-                  file=sys.stderr)
-            return (1 if r.status == 404 else 2), None
-    return 0, data["results"] if cmd == "search" else data
+            # no such memory or a gateway that cannot serve: the command failed (1); a
+            # request it refuses (a record, a filter, a key): the user's to fix (2)
+            failed = r.status == 404 or r.status >= 500
+            raise CommandError(f"the gateway answered {r.status}: {msg}",
+                               EXIT_FAILED if failed else EXIT_USAGE)
+    return data["results"] if cmd == "search" else data
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
@@ -508,16 +515,13 @@ def cmd_memory(args: argparse.Namespace) -> int:
     key = args.api_key or env.get("OPENAI_API_KEY", "")
     tenant = tenant_of({"Authorization": f"Bearer {key}"}, rules.tenants)
     if tenant is None and not args.url:
-        print("memgate memory: whose records? give --api-key or $OPENAI_API_KEY "
-              "(or map keyless callers with tenants.anonymous)", file=sys.stderr)
-        return 2
+        raise CommandError("whose records? give --api-key or $OPENAI_API_KEY "
+                           "(or map keyless callers with tenants.anonymous)", EXIT_USAGE)
 
     async def run() -> int:
         out: Any
         if args.url:
-            code, out = await _memory_http(args, key, rules.store.search_top_k)
-            if code:
-                return code
+            out = await _memory_http(args, key, rules.store.search_top_k)
             print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
             return 0
         assert tenant is not None
@@ -535,16 +539,14 @@ def cmd_memory(args: argparse.Namespace) -> int:
                 out = [r.public(score) for r, score in results]
             elif cmd == "delete":
                 if not await store.delete(tenant, args.memory_id):
-                    print(f"memgate memory delete: no memory {args.memory_id!r} for this key",
-                          file=sys.stderr)
-                    return 1
+                    raise CommandError(f"no memory {args.memory_id!r} for this key",
+                                       EXIT_FAILED)
                 out = {"deleted": True}
             else:
                 got = await store.get(tenant, args.memory_id)
                 if got is None:
-                    print(f"memgate memory get: no memory {args.memory_id!r} for this key",
-                          file=sys.stderr)
-                    return 1
+                    raise CommandError(f"no memory {args.memory_id!r} for this key",
+                                       EXIT_FAILED)
                 out = got.public()
         finally:
             await store.close()
@@ -553,12 +555,15 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     try:
         return run_async(run)
-    except (StoreError, orjson.JSONDecodeError, ValueError) as exc:
-        print(f"memgate memory: {getattr(exc, 'message', exc)}", file=sys.stderr)
-        return 2
+    except StoreError as exc:  # a store that cannot serve failed the command; else the input
+        raise CommandError(exc.message, EXIT_FAILED if exc.status >= 500 else EXIT_USAGE,
+                           ) from None
+    except ValueError as exc:  # an invalid --url
+        raise CommandError(str(exc), EXIT_USAGE) from None
     except (OSError, aiohttp_errors()) as exc:
-        print(f"memgate memory: cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 2
+        if not args.url:
+            raise  # a file of the config's store: main names it
+        raise CommandError(f"cannot reach {args.url}: {exc}", EXIT_FAILED) from None
 
 
 def _memory_parser(sub: Any) -> None:
@@ -620,9 +625,8 @@ def cmd_hash_key(args: argparse.Namespace) -> int:
     text = sys.stdin.readline().strip()
     key = credential({"Authorization": text})
     if key is None:
-        print("memgate hash-key: no usable key on stdin (visible ASCII, optionally "
-              "'Bearer <key>')", file=sys.stderr)
-        return 2
+        raise CommandError("no usable key on stdin (visible ASCII, optionally "
+                           "'Bearer <key>')", EXIT_USAGE)
     print(key_sha256(key))
     return 0
 

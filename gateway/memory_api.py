@@ -28,7 +28,7 @@ from .errors import GatewayError
 from .rules import Rules
 from .session import tenant_of
 from .store import Store, StoreError, StoreRules, build_filter, build_record, make_store
-from .store.model import MemoryExists, Record, check_id
+from .store.model import MAX_ID_CHARS, MemoryExists, Record, check_id, shown
 
 BodyReader = Callable[[web.Request, int], Awaitable[bytes]]
 Handler = Callable[[web.Request], Awaitable[web.Response]]
@@ -113,12 +113,14 @@ class InvalidJson(GatewayError):
 def _in_batch(exc: StoreError, i: int) -> StoreError:
     """The refusal of records[i] of a batch, saying which one (none of it is written)."""
     exc.message = f"records[{i}]: {exc.message}"
+    if exc.param is not None:
+        exc.param = f"records[{i}].{exc.param}"
     return exc
 
 
-def _error(status: int, message: str, code: str) -> web.Response:
+def _error(status: int, message: str, code: str, param: str | None = None) -> web.Response:
     return web.Response(status=status, content_type="application/json", body=orjson.dumps(
-        {"error": {"message": message, "type": "gateway_error", "code": code, "param": None}}))
+        {"error": {"message": message, "type": "gateway_error", "code": code, "param": param}}))
 
 
 def routes(service_of: Callable[[web.Request], Any],
@@ -143,7 +145,7 @@ def routes(service_of: Callable[[web.Request], Any],
             except GatewayError as exc:  # the body's: 413 over the limit, invalid JSON
                 return _error(exc.status, exc.message, exc.code)
             except StoreError as exc:
-                return _error(exc.status, exc.message, CODES.get(exc.status, code))
+                return _error(exc.status, exc.message, CODES.get(exc.status, code), exc.param)
             except Exception as exc:  # noqa: BLE001 - never a bare text/plain 500
                 service_of(request).log.error("memory_api_failed", route=request.path,
                                               error=type(exc).__name__)
@@ -174,6 +176,10 @@ def routes(service_of: Callable[[web.Request], Any],
         body = await body_of(request)
         owner, rules = tenant(request), rules_of(request).store
         batch = isinstance(body, dict) and "records" in body
+        if batch and (extra := [k for k in body if k != "records"]):
+            raise StoreError(f"unknown field {shown(extra[0])} in a batch write; accepted: "
+                             "records (each record's fields go inside it)",
+                             param=extra[0][:MAX_ID_CHARS])
         items = body["records"] if batch else [body]
         if not isinstance(items, list) or not items:
             raise StoreError("records: must be a non-empty list of record objects")

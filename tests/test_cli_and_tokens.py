@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,63 @@ def test_token_cache_is_bounded_lru() -> None:
     assert c.stats.misses == 3 and c.stats.hits == 1
     c.count("hello world")
     assert c.stats.hits == 2  # still cached: "a b c" was the least recent
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound, then released): connecting is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cli_errors(tmp: Path) -> list[tuple[list[str], int, str]]:
+    """(argv, exit code, how stderr's one line starts) of user errors of evict, stats,
+    replay and memory: 2 for what the user gives, 1 for what failed when it ran."""
+    bad_cfg, no_carry, db = tmp / "bad.yaml", tmp / "nocarry.yaml", tmp / "m.db"
+    bad_cfg.write_text("memory:\n  budget:\n    max_tokens: -3\n")
+    no_carry.write_text(f"store:\n  path: {db}\nmemory:\n  carry: null\n")
+    (tmp / "x.json").write_text("{not json")
+    (tmp / "empty.jsonl").write_text("")
+    dead = f"http://127.0.0.1:{free_port()}"
+    mem = ["memory", "--config", str(no_carry), "--api-key", "k1"]
+    return [
+        (["evict", str(tmp / "x.json")], 2, f"memgate evict: {tmp / 'x.json'}: not JSON: "),
+        (["evict", "samples/chat_short.json", "--config", str(bad_cfg)], 2,
+         f"memgate evict: invalid config: {bad_cfg}:"),
+        (["stats", str(tmp / "empty.jsonl"), "--plot", str(tmp / "p.png")], 1,
+         "memgate stats: --plot: no request was measured"),
+        (["replay", "expect", "samples/carry/x.jsonl", "samples/carry/x.yaml", "--config",
+          str(no_carry)], 2, f"memgate replay expect: {no_carry} has no memory.carry section"),
+        (["replay", "ab", "samples/chat_short.json", "--probes", "samples/probes_lost_fact.yaml",
+          "--upstream", dead, "--out", str(tmp / "r")], 1, f"memgate replay ab: upstream {dead}"),
+        (["replay", "ab", str(tmp / "x.json"), "--probes", "samples/probes_lost_fact.yaml",
+          "--upstream", dead], 2, f"memgate replay ab: {tmp / 'x.json'}: not JSON"),
+        (["memory", "--config", str(no_carry), "search", "--session-id", "s"], 2,
+         "memgate memory search: whose records? give --api-key"),
+        ([*mem, "write", "{oops"], 2, "memgate memory write: the record is not JSON: "),
+        ([*mem, "search", "--filter", "[1", "--session-id", "s"], 2,
+         "memgate memory search: --filter: not JSON: "),
+        ([*mem, "search", "--filter", "[1]"], 2,
+         "memgate memory search: --filter: must be a JSON object"),
+        ([*mem, "get", "nope"], 1, "memgate memory get: no memory 'nope' for this key"),
+        ([*mem, "--url", dead, "get", "nope"], 1, f"memgate memory get: cannot reach {dead}: "),
+    ]
+
+
+def test_command_errors_are_one_line_with_the_readmes_exit_code(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Every user error of evict / stats / replay / memory is one stderr line naming the
+    command, no traceback, no output, exit 2 (usage/config) or 1 (it ran and failed)."""
+    from gateway.cli import main
+
+    for argv, code, start in cli_errors(tmp_path):
+        capsys.readouterr()
+        try:
+            got = main(argv)
+        except SystemExit as exc:  # an argparse error would be one
+            got = int(exc.code or 0)
+        out, err = capsys.readouterr()
+        lines = [ln for ln in err.splitlines() if not ln.startswith("replay ab: [")]
+        assert (got, len(lines)) == (code, 1), (argv, got, err)  # [i/n]: ab's progress
+        assert lines[0].startswith(start) and "Traceback" not in err, (argv, err)
+        assert out == "" or argv[0] == "stats", (argv, out)

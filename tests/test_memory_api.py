@@ -106,6 +106,41 @@ def conversation(turns: int = 30) -> list[dict[str, Any]]:
     return msgs
 
 
+async def test_an_unknown_field_is_a_400_naming_it_and_the_accepted_ones(
+    gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """A record with a field its kind does not have (a typo, another kind's field) is a 400
+    `invalid_record` naming the field (also as `param`) and the accepted ones, alone or as
+    records[i] of a batch; a batch with a key beside `records` too; nothing is written."""
+    gw = await gateway(store={"path": str(tmp_path / "m.db")})
+    base = f"{gw.url}/v1/memories"
+    good = {"memory_type": "message", "session_id": "s-typo", "ts": "2026-11-29T10:00:00Z",
+            "text": "the budget is 40k", "role": "user"}
+    status, err = await call("POST", base, {**good, "tgas": ["budget"]}, AUTH)
+    assert status == 400 and err["error"]["code"] == "invalid_record"
+    assert err["error"]["param"] == "tgas"
+    assert err["error"]["message"] == (
+        "unknown field 'tgas' in a message record; accepted: memory_type, kind, memory_id, "
+        "session_id, agent_id, tags, ts, text, role, message_id, turn_id")
+    session = {"memory_type": "session", "session_id": "s-typo", "summary": "s",
+               "start_ts": "2026-11-29T10:00:00Z", "end_ts": "2026-11-29T11:00:00Z"}
+    status, err = await call("POST", base, {"records": [good, {**session, "user_text": "u"}]},
+                             AUTH)
+    assert status == 400 and err["error"]["param"] == "records[1].user_text"
+    assert err["error"]["message"].startswith(
+        "records[1]: unknown field 'user_text' in a session record; 'user_text' is a field "
+        "of turn records; accepted: ")
+    status, err = await call("POST", base, {"records": [good], "agent_id": "a"}, AUTH)
+    assert status == 400 and err["error"]["param"] == "agent_id"
+    assert "in a batch write; accepted: records" in err["error"]["message"]
+    status, found = await call("POST", f"{base}/search", {
+        "filter": {"session_id": "s-typo", "time_from": "2026-11-29T00:00:00Z"}}, AUTH)
+    assert status == 200 and found["results"] == []
+    for rec in (good, session, {**good, "memory_type": "turn", "turn_id": 3, "tags": ["t"]}):
+        status, made = await call("POST", base, rec, AUTH)
+        assert status == 201, made
+
+
 async def test_archive_evicted_turns_once_and_recall_them(
     gateway: GatewayFactory, upstream: Upstream, tmp_path: Path
 ) -> None:

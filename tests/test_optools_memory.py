@@ -10,12 +10,22 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.rules import TenantRules
 from gateway.session import tenant_of
-from gateway.store.model import Record, index_text, query_terms, ranked
+from gateway.store.model import (
+    RECORD_FIELDS,
+    Record,
+    StoreError,
+    StoreRules,
+    build_record,
+    index_text,
+    query_terms,
+    ranked,
+)
 from gateway.store.sqlite import SqliteStore
 
 from .conftest import SECRET, GatewayFactory, Upstream
@@ -103,6 +113,53 @@ async def test_cli_and_http_search_show_the_same_fields_and_scores(
         code, out, err = await cli("memory", "delete", mid, "--url", gw.url, "--api-key", SECRET)
         assert code == 0 and json.loads(out) == {"deleted": True}
         assert await http("budget") == []
+
+
+async def test_cli_refuses_an_unknown_field_in_one_line(
+    gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """`memgate memory write` with a field the record does not have: one stderr line that
+    names it and the accepted ones, exit 2, nothing written (the store or --url alike)."""
+    db = tmp_path / "m.db"
+    cfg = tmp_path / "cli.yaml"
+    cfg.write_text(f"store:\n  path: {db}\n")
+    gw = await gateway(store={"path": str(db)})
+    typo = json.dumps({**REC, "sesion": "s2"})
+    (c1, o1, e1), (c2, o2, e2) = await asyncio.gather(
+        cli("memory", "write", typo, "--config", str(cfg), "--api-key", SECRET),
+        cli("memory", "write", typo, "--url", gw.url, "--api-key", SECRET))
+    assert (c1, o1, e1.count("\n")) == (2, "", 1), e1
+    assert e1.startswith("memgate memory write: unknown field 'sesion' in a turn record; "
+                         "accepted: memory_type, kind, memory_id, session_id, ")
+    assert (c2, o2, e2.count("\n")) == (2, "", 1), e2
+    assert e2.startswith("memgate memory write: the gateway answered 400: unknown field "
+                         "'sesion' in a turn record; accepted: ")
+    code, out, err = await cli("memory", "search", *FLT, "--config", str(cfg),
+                               "--api-key", SECRET)
+    assert code == 0 and json.loads(out) == [], err
+
+
+ALL_FIELDS = sorted({k for fields in RECORD_FIELDS.values() for k in fields})
+
+
+@given(st.sampled_from(["turn", "message", "session"]), st.data())
+def test_a_field_outside_its_kind_is_never_dropped_silently(kind: str, data: st.DataObject
+                                                            ) -> None:
+    """Any key a kind does not list (another kind's field, any other text) is refused by
+    name (its first 256 characters as the param), before any other check of the record;
+    the kind's own keys never are."""
+    key = data.draw(st.one_of(st.sampled_from(ALL_FIELDS), st.text(min_size=1, max_size=300))
+                    .filter(lambda k: k not in RECORD_FIELDS[kind]))
+    body: dict[str, Any] = {"memory_type": kind, key: 1}
+    with pytest.raises(StoreError) as caught:
+        build_record(body, "t", StoreRules())
+    assert caught.value.param == key[:256] and "unknown field" in caught.value.message
+    assert caught.value.message.endswith("accepted: " + ", ".join(RECORD_FIELDS[kind]))
+    for own in RECORD_FIELDS[kind]:
+        try:
+            build_record({"memory_type": kind, own: None}, "t", StoreRules())
+        except StoreError as exc:
+            assert "unknown field" not in exc.message, (kind, own)
 
 
 def _rec(text: str, i: int) -> Record:

@@ -25,6 +25,14 @@ ROLES = ("user", "assistant", "system", "tool")
 MAX_ID_CHARS = 256  # ids and tags are index keys (a PostgreSQL b-tree entry is <= ~2.7 KB)
 MAX_TAGS = 100
 MAX_QUERY_TERMS = 64  # the first distinct terms of a query; the rest is not searched
+# the fields a write may give, by kind (`kind` is an alias of memory_type); any other is
+# refused by name: a field dropped silently would be a record not read back as written
+_COMMON_FIELDS = ("memory_type", "kind", "memory_id", "session_id", "agent_id", "tags")
+RECORD_FIELDS = {
+    "turn": (*_COMMON_FIELDS, "ts", "turn_id", "user_text", "assistant_text", "role", "text"),
+    "message": (*_COMMON_FIELDS, "ts", "text", "role", "message_id", "turn_id"),
+    "session": (*_COMMON_FIELDS, "start_ts", "end_ts", "summary", "raw_messages_ref"),
+}
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)  # `// _US` is exact; `/ _US`, a float, rounds after ~2255
 TS_MIN = (datetime(1, 1, 1, tzinfo=UTC) - _EPOCH) // _US
@@ -37,9 +45,9 @@ _WORD = re.compile(r"\w+", re.UNICODE)
 class StoreError(ValueError):
     """A request the store refuses: status and a precise message for the client."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
-        self.message, self.status = message, status
+        self.message, self.status, self.param = message, status, param
 
 
 class StoreUnavailable(StoreError):
@@ -236,6 +244,25 @@ def _role(body: dict[str, Any]) -> str:
     return role
 
 
+def _known_fields(body: dict[str, Any], kind: str, rules: StoreRules) -> None:
+    """Refuse a field a `kind` record does not have, naming it and the accepted ones (and
+    the kind it belongs to, when it is another kind's)."""
+    accepted = RECORD_FIELDS[kind]
+    unknown = [k for k in body if k not in accepted]
+    if not unknown:
+        return
+    names = ", ".join(shown(k) for k in unknown[:5]) + (
+        f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+    why = f"unknown field{'s' if len(unknown) > 1 else ''} {names} in a {kind} record"
+    if "memory_type" not in body and "kind" not in body:
+        why += f" (no memory_type: store.write_granularity's {rules.write_granularity})"
+    other = [k for k in KINDS if k != kind and unknown[0] in RECORD_FIELDS[k]]
+    if other:
+        why += f"; {shown(unknown[0])} is a field of {' and '.join(other)} records"
+    raise StoreError(f"{why}; accepted: {', '.join(accepted)}",
+                     param=unknown[0][:MAX_ID_CHARS])
+
+
 def build_record(body: Any, tenant: str, rules: StoreRules) -> Record:
     """Validate a write request into a Record (the tenant never comes from the body).
 
@@ -246,6 +273,7 @@ def build_record(body: Any, tenant: str, rules: StoreRules) -> Record:
     kind = body.get("memory_type") or body.get("kind") or rules.write_granularity
     if not isinstance(kind, str) or kind not in KINDS:
         raise StoreError(f"memory_type: must be one of {', '.join(KINDS)}, got {shown(kind)}")
+    _known_fields(body, kind, rules)
     try:
         tags = check_tags(body.get("tags") or []) + list(rules.default_tags)
     except ValueError as exc:
