@@ -5,7 +5,9 @@ and a line is kept whole only up to LINE_BYTES (past that, its first HEAD_BYTES 
 last TAIL_BYTES); a JSON body whole up to BODY_BYTES, else its last TAIL_BYTES. A
 `usage` object sits at the end of every provider's answer, so a cut one is found by
 scanning the kept tail for its last `"usage": {`. A compressed answer (the relay
-passes it as it came) is inflated here for reading only, at most INFLATE_BYTES.
+passes it as it came) is inflated here for reading only, at most INFLATE_BYTES in
+all and INFLATE_PIECE at a time: each piece is read before the next is inflated, so
+a small chunk that inflates to megabytes (a deflate bomb) never lies in memory whole.
 
 The counts are normalised to four keys, the same on every wire:
   input       every prompt token the provider read: OpenAI's prompt_tokens /
@@ -21,7 +23,7 @@ A key is present only when the provider sent its number.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -31,6 +33,7 @@ BODY_BYTES = 262_144  # a JSON answer kept whole up to this
 HEAD_BYTES = 512  # of a longer line: its start, which names the event's type
 TAIL_BYTES = 65_536  # of a longer line or body: its end, where `usage` is
 INFLATE_BYTES = 64 * 1024 * 1024  # a compressed answer is read for usage up to this
+INFLATE_PIECE = 65_536  # inflated at a time (then read) from one compressed chunk
 
 _USAGE_KEY = b'"usage"'
 _WS = b" \t\r\n"
@@ -229,14 +232,19 @@ class UsageReader:
         if self._broken:
             return
         try:
-            if self._inflate is not None:
-                chunk = self._inflate.feed(chunk)
-            if self._sse:
-                self._lines(chunk)
+            if self._inflate is None:
+                self._read(chunk)
             else:
-                self._doc.add(chunk)
+                for piece in self._inflate.feed(chunk):
+                    self._read(piece)
         except Exception:  # noqa: BLE001 - a corrupt or odd answer just has no usage
             self._broken = True
+
+    def _read(self, data: bytes) -> None:
+        if self._sse:
+            self._lines(data)
+        else:
+            self._doc.add(data)
 
     def _lines(self, chunk: bytes) -> None:
         """Lines are judged whole; only the unfinished last one is carried to the next
@@ -343,30 +351,36 @@ class _Inflate:
             return _Unreadable(0)
         return cls(_CODINGS[codings[0]])
 
-    def feed(self, chunk: bytes) -> bytes:
-        out: list[bytes] = []
-        while chunk:
+    def feed(self, chunk: bytes) -> Iterator[bytes]:
+        """The inflated bytes of `chunk`, in pieces of at most INFLATE_PIECE bytes, each
+        inflated only once the one before was taken."""
+        while True:
             if self._d is None:
+                if not chunk:
+                    return
                 wbits = self._wbits
                 if wbits == zlib.MAX_WBITS and chunk[0] & 0x0F != 8:  # raw deflate
                     wbits = -zlib.MAX_WBITS
                 self._d = zlib.decompressobj(wbits)
-            part = self._d.decompress(chunk, TAIL_BYTES)
+            part = self._d.decompress(chunk, INFLATE_PIECE)
             self._out += len(part)
             if self._out > INFLATE_BYTES:
                 raise _TooBig
-            out.append(part)
+            if part:
+                yield part
             if self._d.eof:  # a gzip answer may hold several members
                 chunk, self._d = self._d.unused_data, None
-            else:
-                chunk = self._d.unconsumed_tail
-        return b"".join(out)
+                continue
+            chunk = self._d.unconsumed_tail
+            # a full piece with all input taken may leave output inside zlib: ask again
+            if not chunk and len(part) < INFLATE_PIECE:
+                return
 
 
 class _Unreadable(_Inflate):
     """An encoding not read (br, zstd, stacked codings): the answer has no usage."""
 
-    def feed(self, chunk: bytes) -> bytes:
+    def feed(self, chunk: bytes) -> Iterator[bytes]:
         raise _TooBig
 
 

@@ -8,6 +8,7 @@ import asyncio
 import gzip
 import io
 import tracemalloc
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,14 @@ from hypothesis import strategies as st
 from gateway import stats
 from gateway.mock_upstream import create_mock_app
 from gateway.rules import load_rules
-from gateway.usage import BODY_BYTES, LINE_BYTES, UsageReader, reader_for
+from gateway.usage import (
+    BODY_BYTES,
+    INFLATE_PIECE,
+    LINE_BYTES,
+    UsageReader,
+    _Inflate,
+    reader_for,
+)
 
 from .conftest import SECRET, GatewayFactory, Upstream
 
@@ -262,7 +270,13 @@ async def odd(aiohttp_server: Any) -> str:
         await resp.write_eof()
         return resp
 
+    async def bomb(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=BOMB, headers={"Content-Encoding": "deflate"},
+                            content_type="application/json")
+
     app = web.Application()
+    app.router.add_post("/bomb/v1/chat/completions", bomb)
     app.router.add_post("/gzip/v1/chat/completions", gzipped)
     app.router.add_post("/huge/v1/chat/completions", huge)
     app.router.add_post("/trickle/v1/chat/completions", trickle)
@@ -284,6 +298,52 @@ async def test_gzip_answer_is_read_and_relayed_compressed(
     assert resp.parse().choices[0].message.content == "zipped"
     ev = (await gw.wait_mem(1))[-1]
     assert usage_of(ev) == {"usage_in": 1234, "usage_cached": 1024, "usage_out": 56}
+
+
+# a 40 MiB answer deflated to ~40 KB: one chunk of the upstream's inflates to 40 MiB
+BOMB = zlib.compress(orjson.dumps(chat_reply("x" * (40 << 20), USAGE)), 9)
+
+
+async def test_deflate_bomb_chunk_is_read_in_bounded_pieces(
+    gateway: GatewayFactory, odd: str
+) -> None:
+    """An answer whose ~40 KB deflate chunk inflates to 40 MiB: the client gets the
+    upstream's bytes unchanged, its usage (at the end) is read, and the gateway's memory
+    meanwhile grows by a bounded amount, nowhere near the inflated size."""
+    assert len(BOMB) < 64 * 1024
+    gw = await gateway(upstream_url=f"{odd}/bomb")
+    body = orjson.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user",
+                                                               "content": "hi"}]})
+    tracemalloc.start()
+    try:
+        async with aiohttp.ClientSession(auto_decompress=False) as s, s.post(
+                f"{gw.url}/v1/chat/completions", data=body,
+                headers={"Authorization": f"Bearer {SECRET}",
+                         "Content-Type": "application/json"}) as r:
+            raw = await r.read()
+            encoding = r.headers.get("Content-Encoding")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert r.status == 200 and encoding == "deflate" and raw == BOMB
+    assert peak < 4 << 20, peak  # was ~80 MiB: the whole inflated chunk, then joined
+    ev = (await gw.wait_mem(1))[-1]
+    assert usage_of(ev) == {"usage_in": 1234, "usage_cached": 1024, "usage_out": 56}
+
+
+def test_inflated_pieces_are_bounded_and_lose_nothing() -> None:
+    """Each inflated piece is at most INFLATE_PIECE bytes, and the pieces, in order, are
+    the answer (several gzip members, raw deflate and zlib deflate, any chunking)."""
+    text = orjson.dumps(chat_reply("y" * 3_000_000 + "z" * 200_000, USAGE))
+    raw_deflate = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    for coding, packed, want in (
+            ("gzip", gzip.compress(text[:1000]) + gzip.compress(text[1000:]), text),
+            ("deflate", zlib.compress(text), text),
+            ("deflate", raw_deflate.compress(text) + raw_deflate.flush(), text)):
+        inflate = _Inflate.for_encoding(coding)
+        assert inflate is not None
+        pieces = [p for i in range(0, len(packed), 777) for p in inflate.feed(packed[i:i + 777])]
+        assert max(map(len, pieces)) <= INFLATE_PIECE and b"".join(pieces) == want, coding
 
 
 async def test_usage_split_across_chunks(gateway: GatewayFactory, odd: str) -> None:
