@@ -232,6 +232,8 @@ class Tracing:
             common["gen_ai.operation.name"] = "chat"
             if model:
                 common["gen_ai.request.model"] = model
+            if info.response_model:  # the provider's (a dated snapshot, a deployment's)
+                common["gen_ai.response.model"] = _clip(info.response_model)
         span = rs.span
         if span.is_recording():
             attrs = {**common, "http.response.status_code": status}
@@ -263,6 +265,8 @@ class Tracing:
         session = fields.get("session")
         if isinstance(session, str) and session:
             out["gen_ai.conversation.id"] = _clip(session)
+        if info.response_id:
+            out["gen_ai.response.id"] = _clip(info.response_id)
         if isinstance(tokens_in, int):
             out["gen_ai.usage.input_tokens"] = tokens_in
         if isinstance(tokens_out, int):

@@ -55,6 +55,9 @@ class Relayed:
     # the provider's own token counts read from the answer (JSON or SSE), when it sent them:
     # keys input, cached, output (and cache_write for Anthropic)
     usage: dict[str, int] | None = None
+    # the answer's own model and id, read with the usage (None: not sent or not read)
+    response_model: str | None = None
+    response_id: str | None = None
     # the caller's tenant (None: no usable credential), for observers that keep per-session
     # state: a session id two tenants share is two sessions
     tenant: str | None = None
@@ -275,6 +278,7 @@ async def relay(
         finally:  # what arrived of the usage, however the answer ended
             if usage is not None:
                 info.usage = usage.result()
+                info.response_model, info.response_id = usage.model, usage.id
         try:
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):

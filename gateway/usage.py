@@ -18,10 +18,16 @@ The counts are normalised to four keys, the same on every wire:
   output      completion_tokens / output_tokens
   cache_write Anthropic only: cache_creation_input_tokens
 A key is present only when the provider sent its number.
+
+Read on the way, at no extra parse: the answer's `model` and `id` (the provider's, e.g.
+a dated snapshot of the model asked for): a JSON answer's top-level ones (of a cut one,
+the first in its head), a chat stream's first event, Anthropic's message_start, the
+Responses final event.
 """
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -44,6 +50,9 @@ _RESPONSE_ENDS = frozenset(("response.completed", "response.incomplete", "respon
 _RESPONSE_END_HEADS = tuple(f'"{t}"'.encode() for t in _RESPONSE_ENDS)
 
 Counts = dict[str, int]
+IDENT_CHARS = 256  # of a model name or id read from an answer
+# a string-valued "model" / "id" key in a cut answer's head (escapes kept: decoded after)
+_IDENT_KEY = re.compile(rb'"(model|id)"[ \t\r\n]*:[ \t\r\n]*"((?:[^"\\]|\\.){1,1024})"')
 # the [mem] line's names (read by observers: keep them)
 LOG_NAMES = {"input": "usage_in", "cached": "usage_cached", "output": "usage_out",
              "cache_write": "usage_cache_write"}
@@ -120,6 +129,45 @@ def _anthropic_event(obj: Any) -> Counts:
 
 def _usage_of(extract: Callable[[Any], Counts]) -> Callable[[Any], Counts]:
     return lambda obj: extract(obj.get("usage")) if isinstance(obj, dict) else {}
+
+
+def _top_ident(obj: Any) -> tuple[Any, Any]:
+    return (obj.get("model"), obj.get("id")) if isinstance(obj, dict) else (None, None)
+
+
+def _responses_ident(obj: Any) -> tuple[Any, Any]:
+    if not isinstance(obj, dict) or obj.get("type") not in _RESPONSE_ENDS:
+        return None, None
+    return _top_ident(obj.get("response"))
+
+
+def _anthropic_ident(obj: Any) -> tuple[Any, Any]:
+    if not isinstance(obj, dict) or obj.get("type") != "message_start":
+        return None, None
+    return _top_ident(obj.get("message"))
+
+
+# (model, id) of one SSE event's data, by wire (a JSON answer's are its top-level keys)
+_EVENT_IDENT: dict[str, Callable[[Any], tuple[Any, Any]]] = {
+    "openai_chat": _top_ident, "openai_responses": _responses_ident,
+    "anthropic_messages": _anthropic_ident}
+
+
+def head_ident(head: bytes) -> tuple[str | None, str | None]:
+    """The first string "model" and "id" in the head of a cut answer or event (the keys
+    every provider writes before its content); None for one not there."""
+    found: dict[bytes, str] = {}
+    for m in _IDENT_KEY.finditer(head):
+        if m.group(1) not in found:
+            try:
+                found[m.group(1)] = orjson.loads(b'"' + m.group(2) + b'"')
+            except orjson.JSONDecodeError:
+                continue
+    return found.get(b"model"), found.get(b"id")
+
+
+def _ident_text(v: Any) -> str | None:
+    return v[:IDENT_CHARS] if isinstance(v, str) and v else None
 
 
 WIRES: dict[str, tuple[Callable[[Any], Counts], Callable[[Any], Counts]]] = {
@@ -214,11 +262,18 @@ class _Bounded:
 # --------------------------------------------------------------------------- readers
 
 class UsageReader:
-    """Fed every relayed chunk of one answer; `result()` is its normalised usage."""
+    """Fed every relayed chunk of one answer; `result()` is its normalised usage, after
+    which `model` and `id` are the answer's (None: not sent, or not read)."""
 
     def __init__(self, wire: str, sse: bool, encoding: str | None = None) -> None:
         self._body, self._event = WIRES[wire]
         self._found = _FOUND[wire]
+        self._ident = _EVENT_IDENT[wire]
+        self.model: str | None = None
+        self.id: str | None = None
+        # a chat stream names its model on every event, usage on the last one only (and
+        # only with include_usage): its first event is read for them
+        self._first_event = sse and wire == "openai_chat"
         self._wire = wire
         self._sse = sse
         self._got: Counts = {}
@@ -264,7 +319,7 @@ class UsageReader:
             else:
                 self._whole_line(line.value())
             start += 1
-        if start < last and chunk.find(_USAGE_KEY, start, last) >= 0:
+        if start < last and (self._first_event or chunk.find(_USAGE_KEY, start, last) >= 0):
             for data in chunk[start:last].split(b"\n"):
                 if len(data) > LINE_BYTES:
                     self._cut_line(data[:HEAD_BYTES], data[-TAIL_BYTES:])
@@ -274,7 +329,17 @@ class UsageReader:
             self._line.add(chunk[last + 1:])
 
     def _whole_line(self, data: bytes) -> None:
-        if not data.startswith(b"data:") or _USAGE_KEY not in data:
+        if not data.startswith(b"data:"):
+            return
+        if self._first_event:
+            self._first_event = False
+            if _USAGE_KEY not in data:
+                try:
+                    self._named(*self._ident(orjson.loads(data[5:])))
+                except orjson.JSONDecodeError:
+                    pass
+                return
+        if _USAGE_KEY not in data:
             return
         # OpenAI chat with include_usage sends `"usage":null` on every chunk but the last
         if data.count(_USAGE_KEY) == 1 and b'"usage":null' in data:
@@ -286,6 +351,14 @@ class UsageReader:
         except orjson.JSONDecodeError:
             return
         self._got.update(self._event(obj))
+        self._named(*self._ident(obj))
+
+    def _named(self, model: Any, ident: Any) -> None:
+        """The answer's model and id: the first ones read stay."""
+        if self.model is None:
+            self.model = _ident_text(model)
+        if self.id is None:
+            self.id = _ident_text(ident)
 
     def _cut_line(self, head: bytes, tail: bytes) -> None:
         """A line too long to hold counts only for Responses' final events (the data's
@@ -294,6 +367,7 @@ class UsageReader:
         if (head.startswith(b"data:") and self._wire == "openai_responses"
                 and self._final_event(head)):
             self._got.update(self._found(last_usage_object(tail)))
+            self._named(*head_ident(head[head.find(b'"response"'):]))
 
     @staticmethod
     def _final_event(head: bytes) -> bool:
@@ -321,9 +395,12 @@ class UsageReader:
         doc = self._doc
         if not doc.cut:
             try:
-                return normalise(self._body(orjson.loads(doc.value())))
+                obj = orjson.loads(doc.value())
             except orjson.JSONDecodeError:
                 return None
+            self._named(*_top_ident(obj))
+            return normalise(self._body(obj))
+        self._named(*head_ident(doc.head))
         return normalise(self._found(last_usage_object(doc.tail)))
 
 

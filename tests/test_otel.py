@@ -33,7 +33,18 @@ from gateway.rules import build_rules
 from gateway.upstream import Relayed
 from gateway.wire.openai_chat import OPENAI_CHAT
 
-from .conftest import SECRET, Gateway, GatewayFactory, Upstream
+from .conftest import (
+    ANTHROPIC_REPLY,
+    CHAT_REPLY,
+    SECRET,
+    Gateway,
+    GatewayFactory,
+    Upstream,
+    anthropic_events,
+    responses_events,
+    responses_object,
+    sse_chunks,
+)
 from .test_azure import azure, routes  # noqa: F401 - the Azure stand-in fixture
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -272,6 +283,86 @@ async def test_usage_becomes_token_attributes_and_metric() -> None:
             for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
             if m.name == "gen_ai.client.token.usage" for p in m.data.data_points}
     assert sums == {"input": 150, "output": 12}
+
+
+# what the snapshot upstream answers instead of the model asked for, and its answer ids
+ANSWERED = {b'"gpt-4o-mini"': b'"gpt-4o-mini-2024-07-18"',
+            b'"claude-3-5-haiku-20241022"': b'"claude-3-5-haiku-20241022-v2"'}
+
+
+@pytest.fixture
+async def snapshot(aiohttp_server: Any) -> str:
+    """An upstream of all three wires answering a dated model (not the one asked for), with
+    an answer id per wire and per JSON / stream; a chat stream without usage."""
+
+    def dated(raw: bytes, ident: bytes, streamed: bool) -> bytes:
+        for asked, answered in ANSWERED.items():
+            raw = raw.replace(asked, answered)
+        return raw.replace(ident, ident + (b"-sse" if streamed else b"-json"))
+
+    def route(json_body: bytes, events: list[bytes], ident: bytes) -> Any:
+        async def answer(request: web.Request) -> web.StreamResponse:
+            if not (await request.json()).get("stream"):
+                return web.Response(body=dated(json_body, ident, False),
+                                    content_type="application/json")
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for event in events:
+                await resp.write(dated(event, ident, True))
+            await resp.write_eof()
+            return resp
+        return answer
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", route(
+        json.dumps(CHAT_REPLY).encode(), sse_chunks(["Hel", "lo"]), b"chatcmpl-test"))
+    app.router.add_post("/v1/responses", route(
+        json.dumps(responses_object("Hi")).encode(), responses_events("Hi"), b"resp_test"))
+    app.router.add_post("/v1/messages", route(
+        json.dumps(ANTHROPIC_REPLY).encode(), anthropic_events("Hi"), b"msg_test"))
+    server = await aiohttp_server(app)
+    return str(server.make_url("")).rstrip("/")
+
+
+async def test_response_model_and_id_come_from_the_answer(
+    gateway: GatewayFactory, snapshot: str
+) -> None:
+    """Each wire, JSON and streamed: gen_ai.response.model is the model the provider named
+    in its answer (not the one asked for) and gen_ai.response.id the answer's id, read
+    where the usage is (a chat stream without usage too); the metrics carry the model."""
+    t = await traced(gateway, upstream_url=snapshot)
+    msgs: Any = [{"role": "user", "content": "hi"}]
+    claude = "claude-3-5-haiku-20241022"
+    async with openai.AsyncOpenAI(base_url=f"{t.gw.url}/v1", api_key=SECRET,
+                                  max_retries=0) as c:
+        chat = await c.chat.completions.create(model="gpt-4o-mini", messages=msgs)
+        assert chat.model == "gpt-4o-mini-2024-07-18"
+        stream = await c.chat.completions.create(model="gpt-4o-mini", messages=msgs,
+                                                 stream=True)
+        assert [ch.id async for ch in stream][0] == "chatcmpl-test-sse"
+        assert (await c.responses.create(model="gpt-4o-mini", input="hi")).id == \
+            "resp_test-json"
+        assert [e.type async for e in await c.responses.create(
+            model="gpt-4o-mini", input="hi", stream=True)][-1] == "response.completed"
+    async with anthropic.AsyncAnthropic(base_url=t.gw.url, api_key=SECRET, max_retries=0) as a:
+        assert (await a.messages.create(model=claude, max_tokens=9, messages=msgs)).id == \
+            "msg_test-json"
+        async with a.messages.stream(model=claude, max_tokens=9, messages=msgs) as ms:
+            assert (await ms.get_final_message()).model == f"{claude}-v2"
+    spans = await t.spans(6)
+    got = [(dict(sp.attributes or {}).get("gen_ai.request.model"),
+            dict(sp.attributes or {}).get("gen_ai.response.model"),
+            dict(sp.attributes or {}).get("gen_ai.response.id")) for sp in spans]
+    dated, claude_v2 = "gpt-4o-mini-2024-07-18", f"{claude}-v2"
+    assert got == [("gpt-4o-mini", dated, "chatcmpl-test-json"),
+                   ("gpt-4o-mini", dated, "chatcmpl-test-sse"),
+                   ("gpt-4o-mini", dated, "resp_test-json"),
+                   ("gpt-4o-mini", dated, "resp_test-sse"),
+                   (claude, claude_v2, "msg_test-json"),
+                   (claude, claude_v2, "msg_test-sse")]
+    points = t.metric("gen_ai.client.operation.duration")
+    assert sorted((dict(p.attributes)["gen_ai.response.model"], p.count) for p in points) == [
+        (claude_v2, 2), (dated, 4)]
 
 
 async def test_failed_request_span_has_error_type(gateway: GatewayFactory) -> None:

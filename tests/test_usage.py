@@ -424,19 +424,25 @@ texts = st.lists(st.sampled_from(['a', ' ', '"', '\\', '\n', '{', '}', '"usage":
 counts = st.integers(min_value=0, max_value=10**7)
 
 
+Stream = tuple[str, bytes, dict[str, int], tuple[str, str]]
+
+
 @st.composite
-def streams(draw: st.DrawFn) -> tuple[str, bytes, dict[str, int]]:
+def streams(draw: st.DrawFn) -> Stream:
     """One wire's SSE stream with text deltas that spell usage-like bytes, the usage at
-    its documented place, and the normalised usage it must read as."""
+    its documented place, the normalised usage it must read as, and the (model, id) the
+    answer names (a chat stream: on every event; usage too only with include_usage)."""
     wire = draw(st.sampled_from(["openai_chat", "openai_responses", "anthropic_messages"]))
     deltas = draw(st.lists(texts, max_size=6))
     i, c, o, w = draw(counts), draw(counts), draw(counts), draw(counts)
+    model, ident = draw(texts.filter(bool)), draw(texts.filter(bool))
+    named = {"model": model, "id": ident}
     ev: list[bytes] = []
     if wire == "openai_chat":
         for t in deltas:
-            ev.append(b"data: " + orjson.dumps({"choices": [{"delta": {"content": t}}],
+            ev.append(b"data: " + orjson.dumps({**named, "choices": [{"delta": {"content": t}}],
                                                 "usage": None}) + b"\n\n")
-        ev.append(b"data: " + orjson.dumps({"choices": [], "usage": {
+        ev.append(b"data: " + orjson.dumps({**named, "choices": [], "usage": {
             "prompt_tokens": i, "completion_tokens": o,
             "prompt_tokens_details": {"cached_tokens": c}}}) + b"\n\ndata: [DONE]\n\n")
         want = {"input": i, "cached": c, "output": o}
@@ -448,13 +454,13 @@ def streams(draw: st.DrawFn) -> tuple[str, bytes, dict[str, int]]:
                 {"type": "response.output_text.delta", "delta": t}) + b"\n\n")
         ev.append(b"event: response.completed\ndata: " + orjson.dumps(
             {"type": "response.completed", "response": {
-                "output": [{"content": [{"text": "".join(deltas)}]}],
+                **named, "output": [{"content": [{"text": "".join(deltas)}]}],
                 "usage": {"input_tokens": i, "output_tokens": o,
                           "input_tokens_details": {"cached_tokens": c}}}}) + b"\n\n")
         want = {"input": i, "cached": c, "output": o}
     else:
         ev.append(b"event: message_start\ndata: " + orjson.dumps(
-            {"type": "message_start", "message": {"usage": {
+            {"type": "message_start", "message": {**named, "usage": {
                 "input_tokens": i, "cache_read_input_tokens": c,
                 "cache_creation_input_tokens": w, "output_tokens": 1}}}) + b"\n\n")
         for t in deltas:
@@ -467,19 +473,18 @@ def streams(draw: st.DrawFn) -> tuple[str, bytes, dict[str, int]]:
         want = {"input": i + c + w, "cached": c, "output": o, "cache_write": w}
     crlf = draw(st.booleans())
     raw = b"".join(ev)
-    return wire, raw.replace(b"\n", b"\r\n") if crlf else raw, want
+    return wire, raw.replace(b"\n", b"\r\n") if crlf else raw, want, (model, ident)
 
 
 @given(streams(), st.lists(st.integers(min_value=0, max_value=10_000), max_size=30))
-@example(("openai_chat", b'data: {"choices":[],"usage":{"prompt_tokens":5,'
-          b'"completion_tokens":1}}\n\ndata: [DONE]\n\n', {"input": 5, "output": 1}),
-         [3, 9])
-def test_any_chunking_reads_the_same_usage(
-    stream: tuple[str, bytes, dict[str, int]], cuts: list[int]
-) -> None:
-    """However the same SSE stream is cut into chunks, the usage read is the one it
-    carries (deltas whose text spells `"usage"`, `data: ` or newlines change nothing)."""
-    wire, raw, want = stream
+@example(("openai_chat", b'data: {"id":"c1","model":"m","choices":[],"usage":{'
+          b'"prompt_tokens":5,"completion_tokens":1}}\n\ndata: [DONE]\n\n',
+          {"input": 5, "output": 1}, ("m", "c1")), [3, 9])
+def test_any_chunking_reads_the_same_usage(stream: Stream, cuts: list[int]) -> None:
+    """However the same SSE stream is cut into chunks, the usage, model and id read are
+    the ones it carries (deltas whose text spells `"usage"`, `data: ` or newlines, a model
+    name with quotes or backslashes change nothing)."""
+    wire, raw, want, named = stream
     reader = UsageReader(wire, sse=True)
     at = 0
     for cut in sorted({min(c, len(raw)) for c in cuts}):
@@ -487,6 +492,30 @@ def test_any_chunking_reads_the_same_usage(
         at = cut
     reader.feed(raw[at:])
     assert reader.result() == want
+    assert (reader.model, reader.id) == named
+
+
+def test_model_and_id_of_a_cut_answer_come_from_its_head() -> None:
+    """A JSON answer or a Responses final event too long to hold: the model and id are
+    the first ones of its head (where providers write them), the usage from its tail;
+    one that names neither has none."""
+    big = "x" * (2 * max(BODY_BYTES, LINE_BYTES))
+    reader = UsageReader("openai_chat", False)
+    reader.feed(orjson.dumps({**chat_reply(big, USAGE), "id": "chatcmpl-\"q\"",
+                              "model": "gpt-4o-2024-08-06"}))
+    assert reader.result() == {"input": 1234, "cached": 1024, "output": 56}
+    assert (reader.model, reader.id) == ("gpt-4o-2024-08-06", 'chatcmpl-"q"')
+    final = {"type": "response.completed", "sequence_number": 9, "response": {
+        "id": "resp_1", "object": "response", "model": "o3-2025", "output": [{
+            "id": "msg_9", "content": [{"text": big}]}],
+        "usage": {"input_tokens": 9, "output_tokens": 2}}}
+    reader = UsageReader("openai_responses", True)
+    reader.feed(b"event: response.completed\ndata: " + orjson.dumps(final) + b"\n\n")
+    assert reader.result() == {"input": 9, "output": 2}
+    assert (reader.model, reader.id) == ("o3-2025", "resp_1")
+    reader = UsageReader("openai_chat", False)
+    reader.feed(orjson.dumps({"choices": [{"message": {"content": big}}], "usage": USAGE}))
+    assert reader.result() is not None and (reader.model, reader.id) == (None, None)
 
 
 # --------------------------------------------------------------------------- stats
