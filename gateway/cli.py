@@ -160,6 +160,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CommandError(f"--port {port} is listen.admin_port too: give each its own port",
                            EXIT_USAGE)
     workers = _workers_count(args.workers or env.get("MEMGATE_WORKERS") or "1")
+    if args.worker is not None:  # its console says whose requests it shows
+        from . import console
+
+        console.set_worker(args.worker, workers)
     if workers > 1 and args.worker is None:
         code = _supervise(args, config, env, host, port, workers, log)
         if code is not None:
@@ -193,7 +197,7 @@ def _supervise(args: argparse.Namespace, config: Path | None, env: Mapping[str, 
                     reason="no SO_REUSEPORT on this OS: one process serves")
         return None
     command = [sys.executable, "-m", "gateway", "serve", "--host", host,
-               "--drain-s", str(args.drain_s)]
+               "--drain-s", str(args.drain_s), "--workers", str(workers)]
     for flag, value in (("--config", config and config.resolve()), ("--upstream", args.upstream),
                         ("--anthropic-upstream", args.anthropic_upstream)):
         if value:

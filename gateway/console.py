@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import random
 import re
 import time
@@ -39,6 +40,8 @@ TOP_SESSIONS = 20
 LOGIN_BYTES = 4096
 COOKIE = "memgate_console"
 COOKIE_MAX_AGE_S = 12 * 3600
+# this process's place under `serve --workers N`: (worker index, N); None: the only one
+_WORKER: tuple[int, int] | None = None
 _NEXT = re.compile(r"/admin/console(/session\?id=[A-Za-z0-9._~%+:@/-]{1,400}"
                    r"(&t=[A-Za-z0-9._~%+:@/-]{0,400})?)?")
 
@@ -329,6 +332,17 @@ def _refusal(request: web.Request, login: bool = True) -> web.Response | None:
     return _page(view.login_page(wrong=given is not None, then=then), 401)
 
 
+def set_worker(index: int, workers: int) -> None:
+    """Called by `serve` in a worker: the pages then say whose requests they show."""
+    global _WORKER
+    _WORKER = (index, workers)
+
+
+def process() -> view.Process:
+    pid = os.getpid()
+    return view.Process(pid) if _WORKER is None else view.Process(pid, *_WORKER)
+
+
 def _status(state: GatewayState) -> view.Status:
     """The switch, the last reload and the backends' health, as the page shows them."""
     rules = state.rules
@@ -344,7 +358,7 @@ def _status(state: GatewayState) -> view.Status:
     r = state.reloader
     return view.Status(rules=rules, last_reload=r.last, reload_file=r.last_file,
                        reload_trigger=r.last_trigger, reloads_ok=r.ok, reloads_failed=r.failed,
-                       backends=backends)
+                       backends=backends, process=process())
 
 
 def _refresh_s(request: web.Request) -> int:
@@ -380,7 +394,7 @@ async def session_page(request: web.Request) -> web.Response:
         return _page(view.message_page("No recent requests of this session (it may have "
                                        "been forgotten: console.max_sessions)."), 404)
     return _page(view.session_page(sid, log, state.console.rules, _refresh_s(request),
-                                   tenant=tenant))
+                                   tenant=tenant, process=process()))
 
 
 async def login(request: web.Request) -> web.Response:

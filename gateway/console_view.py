@@ -62,6 +62,31 @@ padding:6px;margin:4px 0;max-height:160px;overflow:auto}.err{color:#b91c1c}
 
 
 @dataclass(frozen=True, slots=True)
+class Process:
+    """The process that renders the page: under `serve --workers N` one of N, each with
+    its own console (the requests it answered), reached as the kernel hands it the
+    connection."""
+
+    pid: int
+    worker: int | None = None  # the `worker=K` of its log lines (None: the only process)
+    workers: int = 1
+
+    def row(self) -> str:
+        pid = f'pid <b id="pid" data-value="{self.pid}">{self.pid}</b>'
+        if self.worker is None:
+            return pid
+        return (f'worker <b id="worker" data-value="{self.worker}">{self.worker}</b> of '
+                f"{self.workers} ({pid}): {_pill('this worker only', 'warn')} the requests "
+                "below are the ones this worker answered; each worker keeps its own, and "
+                "the next load may be answered by another")
+
+    def footer(self) -> str:
+        if self.worker is None:
+            return f"pid {self.pid}"
+        return f"worker {self.worker} of {self.workers}, pid {self.pid}: its requests only"
+
+
+@dataclass(frozen=True, slots=True)
 class Status:
     rules: Rules
     last_reload: tuple[float, str, str | None] | None
@@ -70,6 +95,7 @@ class Status:
     reloads_ok: int
     reloads_failed: int
     backends: list[tuple[str, str, dict[str, Any]]]  # (role, backend, Backend.status())
+    process: Process | None = None  # None: not said (a page rendered outside a gateway)
 
 
 def _e(v: Any) -> str:
@@ -233,6 +259,8 @@ def _status_section(st: Status) -> str:
             + f"</span> · order {_e(', '.join(m.eviction.order))}"),
         ("config", f'<span class="mono">{_e(rules.source)}</span>'),
     ]
+    if st.process is not None:
+        rows.append(("process", st.process.row()))
     last = st.last_reload
     if last is None:
         reload = "no reload since start"
@@ -352,14 +380,17 @@ def main_page(st: Status, hour: Sequence[Minute],
               largest: Sequence[tuple[tuple[str, str], SessionLog]],
               rules: ConsoleRules, refresh_s: int = REFRESH_S) -> str:
     return _doc("memgate console", _status_section(st) + _hour_section(hour)
-                + _sessions_section(largest) + _footer(rules, refresh_s), refresh_s)
+                + _sessions_section(largest) + _footer(rules, refresh_s, st.process),
+                refresh_s)
 
 
-def _footer(rules: ConsoleRules, refresh_s: int) -> str:
+def _footer(rules: ConsoleRules, refresh_s: int, process: Process | None) -> str:
     again = (f"refreshes every {refresh_s} s (<a href='?refresh=0'>stop</a>)" if refresh_s
              else f"<a href='?refresh={REFRESH_S}'>refresh every {REFRESH_S} s</a>")
-    return (f'<p class="mono">times UTC · {again} · keeps {rules.max_sessions} sessions × '
-            f"{rules.ring} requests · text {'shown' if rules.show_text else 'hidden'}</p>")
+    who = f"{_e(process.footer())} · " if process is not None else ""
+    return (f'<p class="mono" id="footer">{who}times UTC · {again} · '
+            f"keeps {rules.max_sessions} sessions × {rules.ring} requests · text "
+            f"{'shown' if rules.show_text else 'hidden'}</p>")
 
 
 # --------------------------------------------------------------------------- one session
@@ -450,7 +481,8 @@ def _request(seen: Seen) -> str:
 
 
 def session_page(sid: str, log: SessionLog, rules: ConsoleRules,
-                 refresh_s: int = REFRESH_S, tenant: str = "") -> str:
+                 refresh_s: int = REFRESH_S, tenant: str = "",
+                 process: Process | None = None) -> str:
     shadow = log.ring[-1].fields.get("mode") != "on"
     reqs = "".join(_request(s) for s in reversed(log.ring))
     body = (f'<section><h2>Session <span class="mono" id="session">{_e(sid)}</span></h2>'
@@ -460,5 +492,5 @@ def session_page(sid: str, log: SessionLog, rules: ConsoleRules,
             "Each strip is one request's messages in the client's order, first to last "
             "(recalled ones are forwarded just before the current turn; a dark mark: where "
             "the carry note went).</p>"
-            f"{_strip_legend(shadow)}{reqs}</section>{_footer(rules, refresh_s)}")
+            f"{_strip_legend(shadow)}{reqs}</section>{_footer(rules, refresh_s, process)}")
     return _doc(f"memgate console: {sid}", body, refresh_s)

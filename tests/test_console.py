@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from html import unescape
 from pathlib import Path
@@ -350,3 +351,65 @@ async def test_two_tenants_sharing_a_session_id_are_two_sessions(
     assert sorted(seen[t] for t in tenants) == sorted(
         list(reversed(v)) for v in sent.values())  # newest first
     assert [v for t, v in seen.items() if t not in tenants] == [["anon"]]
+
+
+async def console_page(port: int, path: str = "/admin/console") -> tuple[int, str]:
+    """(status, body) of a console page got on a new connection (the kernel picks the
+    worker)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                 f"X-Memgate-Admin-Token: {TOKEN}\r\n\r\n".encode())
+    raw = await reader.read()
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body.decode()
+
+
+async def test_with_workers_each_page_says_which_worker_it_shows(
+        upstream: Upstream, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve --workers 2`: every page names the worker that rendered it (index and pid,
+    as its log lines do) and says it shows that worker's requests only, and it does: a
+    worker's page counts the requests of its own [mem] lines."""
+    from .test_workers import client, mem_events, start_workers, wait_log, workers_of
+
+    monkeypatch.setenv("MEMGATE_ADMIN_TOKEN", TOKEN)
+    cfg = write_config(tmp_path / "gateway.yaml", console={"enabled": True})
+    proc, port, log = await start_workers(upstream.url, tmp_path, cfg)
+    try:
+        pids = {pid: w for w, pid in workers_of(log.read_text()).items()}
+        sdk = client(port)
+        for i in range(12):
+            await sdk.chat.completions.create(
+                model="gpt-4o-mini", messages=[{"role": "user", "content": f"q {i}"}],
+                extra_headers={"X-Session-Id": "shared"})
+        await sdk.close()
+        mems = mem_events(await wait_log(log, lambda t: len(mem_events(t)) >= 12, proc))
+        per_worker = {w: sum(m["worker"] == w for m in mems) for w in ("0", "1")}
+        seen: dict[str, str] = {}
+        for _ in range(60):  # new connections until both workers rendered a page
+            status, page = await console_page(port)
+            pid = re.search(r'id="pid" data-value="(\d+)"', page)
+            worker = re.search(r'id="worker" data-value="(\d+)"', page)
+            assert status == 200 and pid and worker, page
+            assert pids[int(pid.group(1))] == worker.group(1)  # as its log lines say
+            assert "of 2 (pid" in page and "this worker only" in page
+            assert f"worker {worker.group(1)} of 2, pid {pid.group(1)}: its requests only" \
+                in page
+            seen[worker.group(1)] = page
+            if len(seen) == 2:
+                break
+        assert set(seen) == {"0", "1"}
+        for w, page in seen.items():
+            assert _figures(page)["requests"] == str(per_worker[w]), w
+        link = re.search(r'href="(/admin/console/session\?[^"]+)"', seen["0"])
+        assert link is not None
+        for _ in range(20):  # a worker that answered some of the session's requests
+            status, page = await console_page(port, unescape(link.group(1)))
+            if status == 200:
+                assert re.search(r"worker [01] of 2, pid \d+: its requests only", page)
+                break
+        assert status == 200
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
