@@ -34,12 +34,6 @@ from .rules import Rules, describe, load_rules, missing_env
 EXIT_FAILED, EXIT_USAGE = 1, 2  # and 0: ok
 
 
-def _load_or_exit(config: Path | None, env: Mapping[str, str]) -> Rules:
-    """The rules, or (through main) `memgate CMD: invalid config: file:line: key: reason`
-    and exit 2."""
-    return load_rules(config, env)
-
-
 def port_number(text: str) -> int:
     """argparse type for --port: 1-65535, or 0 for any free port (logged as bound)."""
     try:
@@ -143,7 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.anthropic_upstream:
         env["MEMGATE_ANTHROPIC_UPSTREAM"] = args.anthropic_upstream
     config = default_config(args.config, env)
-    rules = _load_or_exit(config, env)
+    rules = load_rules(config, env)
     problem = missing_env(rules, env)
     if problem is not None:
         raise problem
@@ -244,7 +238,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     from .wire import WIRES, sniff
 
     env = dict(os.environ)
-    rules = _load_or_exit(default_config(args.config, env), env)
+    rules = load_rules(default_config(args.config, env), env)
     raw = sys.stdin.buffer.read() if args.payload == "-" else Path(args.payload).read_bytes()
     try:
         payload = orjson.loads(raw)
@@ -341,7 +335,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from . import stats
 
     env = dict(os.environ)
-    rules = _load_or_exit(default_config(args.config, env), env)
+    rules = load_rules(default_config(args.config, env), env)
     report = stats.measure(args.paths, rules, simulate=args.config is not None,
                            progress=sys.stderr if sys.stderr.isatty() else None,
                            side=args.side)
@@ -368,7 +362,7 @@ def cmd_replay_ab(args: argparse.Namespace) -> int:
     from . import replay
 
     env = dict(os.environ)
-    rules = _load_or_exit(default_config(args.config, env), env)
+    rules = load_rules(default_config(args.config, env), env)
     try:
         return replay.main(args, rules)
     except (aiohttp_errors(), TimeoutError) as exc:  # before OSError: some are OSErrors too
@@ -385,7 +379,7 @@ def cmd_replay_expect(args: argparse.Namespace) -> int:
     from .carry import expect
 
     env = dict(os.environ)
-    rules = _load_or_exit(default_config(args.config, env), env)
+    rules = load_rules(default_config(args.config, env), env)
     patterns = rules.memory.carry_patterns
     if patterns is None:
         raise CommandError(f"{rules.source or 'the config'} has no memory.carry section",
@@ -515,7 +509,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     for common in ("config", "api_key", "url"):  # given before or after the subcommand
         setattr(args, common, getattr(args, common, None))
     env = dict(os.environ)
-    rules = _load_or_exit(default_config(args.config, env), env)
+    rules = load_rules(default_config(args.config, env), env)
     key = args.api_key or env.get("OPENAI_API_KEY", "")
     tenant = tenant_of({"Authorization": f"Bearer {key}"}, rules.tenants)
     if tenant is None and not args.url:

@@ -291,9 +291,7 @@ def test_startup_with_empty_config_is_refused(tmp_path: Path) -> None:
 
     empty = tmp_path / "empty.yaml"
     empty.write_text("\n")
-    with pytest.raises(SystemExit) as exc:
-        main(["serve", "--config", str(empty), "--port", "0"])
-    assert exc.value.code == 2
+    assert main(["serve", "--config", str(empty), "--port", "0"]) == 2
     with pytest.raises(RulesError, match="empty"):
         load_rules(empty, {})
     empty.write_text("{}\n")
