@@ -318,15 +318,24 @@ async def _plan(f: _Flight, raw: bytes, up: Upstream | None) -> tuple[Decision, 
 
 async def _relay_planned(f: _Flight, up: Upstream, d: Decision) -> web.StreamResponse:
     """Forward the planned body; the [mem] fields are measured while the upstream answers
-    (the loop would wait for them otherwise)."""
+    (the loop would wait for them otherwise), starting once the body has left (a task
+    started before would run first: aiohttp writes a body in a task of its own)."""
     f.overhead_ms = f.elapsed_ms()
-    f.measuring = asyncio.ensure_future(_measure(
-        f.state, f.request, f.tenant, f.session, f.wire, d, f.rid, f.recall_failed))
-    return await relay(f.request, f.state.pool, up, d.forward, f.info,
-                       f.span.upstream(f.request, up) if f.span else None,
-                       credential_headers=f.rules.tenants.credential_headers,
-                       stream_ends=f.wire.stream_ends,
-                       original=_fallback_body(f.rules, d), usage_wire=f.wire.name)
+
+    def measure() -> None:
+        f.measuring = asyncio.ensure_future(_measure(
+            f.state, f.request, f.tenant, f.session, f.wire, d, f.rid, f.recall_failed))
+
+    try:
+        return await relay(f.request, f.state.pool, up, d.forward, f.info,
+                           f.span.upstream(f.request, up) if f.span else None,
+                           credential_headers=f.rules.tenants.credential_headers,
+                           stream_ends=f.wire.stream_ends,
+                           original=_fallback_body(f.rules, d), usage_wire=f.wire.name,
+                           on_sent=measure)
+    finally:
+        if f.measuring is None:  # cancelled before the relay began: measured all the same
+            measure()
 
 
 async def _land(f: _Flight) -> None:
@@ -414,8 +423,7 @@ def _decide(
     d = decide(raw, payload, rules, state.tokenizers, wire, history=history,
                key=None if tenant is None else (tenant, session),
                default_model=request.match_info.get("deployment"),
-               archive_in=_archive_in(state, rules, tenant))
-    d.spliced_from = src
+               archive_in=_archive_in(state, rules, tenant), spliced=src)
     return d, session
 
 
@@ -457,8 +465,7 @@ async def _with_recall(
         return d, store.failed
     again = decide(d.raw, d.payload, rules, state.tokenizers, wire, recalled=recalled,
                    history=_history(state, rules), key=(tenant, session), default_model=d.model,
-                   archive_in=_archive_in(state, rules, tenant))
-    again.spliced_from = d.spliced_from
+                   archive_in=_archive_in(state, rules, tenant), spliced=d.spliced_from)
     return again, store.failed
 
 
@@ -535,8 +542,11 @@ async def _measure(
     if (tenant is not None and d.view is not None and d.view.entry is not None
             and state.history_cache is not None  # only ever saves the next parse
             and "splice" not in state.rules.shortcuts_off):
+        # eviction on cuts the session's next body: its items' spans are kept for it
+        on = d.mode == "on"
         state.history_cache.remember((tenant, session), d.raw, d.payload, d.messages,
-                                     d.spliced_from, scan=d.mode != "on")
+                                     d.spliced_from, scan=not on,
+                                     spans=on and "spans" not in state.rules.shortcuts_off)
     return head, tail
 
 

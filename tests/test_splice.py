@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from gateway import splice
 from gateway.chat import decide
+from gateway.jsonbytes import members, ws
 from gateway.wire.anthropic_messages import ANTHROPIC_MESSAGES
 from gateway.wire.openai_chat import OPENAI_CHAT
 
@@ -104,6 +105,46 @@ def test_splice_is_the_whole_parse_or_nothing(p: dict[str, Any], fmt: str, more:
         # the next record, scanning only the new items, is the one a full scan finds
         inc = splice.make(new, "messages", got, rec)
         assert inc == splice.make(new, "messages", orjson.loads(new), None)
+
+
+@given(p=body(), fmt=st.sampled_from(sorted(FORMATS)),
+       grows=st.lists(st.lists(ITEM, min_size=1, max_size=3), min_size=1, max_size=3),
+       seed=st.sampled_from(["first", "spliced"]))
+@settings(max_examples=300)
+def test_spans_kept_along_a_session_are_the_bodys_own(
+        p: dict[str, Any], fmt: str, grows: list[list[Any]], seed: str) -> None:
+    """The item spans a record keeps, extended request by request with the new items'
+    only, are where each body's items are (jsonbytes.elements over the whole body, the
+    list orjson reads), and a body cut from them is the body cut from a full scan: for
+    every formatting, keys around the list, nested and escaped values. The first record
+    finds them by scanning its body, or (seed=spliced) from one made without spans."""
+    dump = FORMATS[fmt]
+    raw = dump(p)
+    prev = orjson.loads(raw)
+    rec = splice.make(raw, "messages", prev, None, scan=False, spans=seed == "first")
+    assert rec is not None
+    msgs = list(p["messages"])
+    for more in grows:
+        msgs += more
+        new = dump({**p, "messages": msgs})
+        got = splice.loads(new, rec, prev)
+        if got is None:  # a new item looks like a key: the whole parse, no record used
+            return
+        full = [m for m in members(new, ws(new, 0), got, listed="messages")
+                if m.name == "messages"][-1].items
+        assert full is not None and len(full) == len(msgs)
+        if rec.spans is not None:
+            assert list(rec.spans) == full[: rec.count]
+            spans = splice.spans_of(new, rec, got["messages"])
+            assert spans == full
+            kept = sorted({*range(0, len(msgs), 2), len(msgs) - 1})
+            assert (OPENAI_CHAT.build_body(new, got, kept, spans=spans)
+                    == OPENAI_CHAT.build_body(new, got, kept))
+        else:
+            assert splice.spans_of(new, rec, got["messages"]) is None
+        rec = splice.make(new, "messages", got, rec, scan=False, spans=True)
+        assert rec is not None and rec.spans is not None
+        prev = got
 
 
 MARKED = st.lists(st.sampled_from(["memgate", "mem", "gate", "\\u00", "\\u006d", "é", "x "]),
