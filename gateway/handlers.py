@@ -41,6 +41,10 @@ _RID = re.compile(r"[^A-Za-z0-9._-]")
 # a history with more uncounted text than this is token-counted for the [mem] line on the
 # gateway's counting thread (while the upstream answers, off the event loop)
 OFFLOAD_CHARS = 65_536
+# how long after the body has left the [mem] measuring waits for the answer's first bytes
+# (relayed first when they come sooner; an LLM's take longer, and the measuring then
+# runs while the client waits for them anyway)
+MEASURE_AFTER_S = 0.002
 
 
 def flavor_for(path: str) -> ApiFlavor:
@@ -84,8 +88,8 @@ async def read_body(request: web.Request, limit: int, decode: bool = True) -> by
         raise _too_large(limit, declared)
     encoding = request.headers.get("Content-Encoding") if decode else None
     inflate = Inflater.for_encoding(encoding, limit)
-    if inflate is None and declared is not None:
-        return await request.read()
+    # the chunks as they came, joined once (request.read() grows a bytearray, then copies
+    # it: a megabyte body two or three times; a body in one chunk is not copied at all)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.content.iter_any():
@@ -318,13 +322,19 @@ async def _plan(f: _Flight, raw: bytes, up: Upstream | None) -> tuple[Decision, 
 
 async def _relay_planned(f: _Flight, up: Upstream, d: Decision) -> web.StreamResponse:
     """Forward the planned body; the [mem] fields are measured while the upstream answers
-    (the loop would wait for them otherwise), starting once the body has left (a task
-    started before would run first: aiohttp writes a body in a task of its own)."""
+    (the loop would wait for them otherwise): from MEASURE_AFTER_S after the body has
+    left (a task started before it would run first: aiohttp writes a body in a task of
+    its own), or once the answer's first bytes are relayed if they come sooner (an
+    upstream that fast would otherwise wait for the measuring)."""
     f.overhead_ms = f.elapsed_ms()
 
     def measure() -> None:
-        f.measuring = asyncio.ensure_future(_measure(
-            f.state, f.request, f.tenant, f.session, f.wire, d, f.rid, f.recall_failed))
+        if f.measuring is None:
+            f.measuring = asyncio.ensure_future(_measure(
+                f.state, f.request, f.tenant, f.session, f.wire, d, f.rid, f.recall_failed))
+
+    def sent() -> None:
+        asyncio.get_running_loop().call_later(MEASURE_AFTER_S, measure)
 
     try:
         return await relay(f.request, f.state.pool, up, d.forward, f.info,
@@ -332,10 +342,9 @@ async def _relay_planned(f: _Flight, up: Upstream, d: Decision) -> web.StreamRes
                            credential_headers=f.rules.tenants.credential_headers,
                            stream_ends=f.wire.stream_ends,
                            original=_fallback_body(f.rules, d), usage_wire=f.wire.name,
-                           on_sent=measure)
+                           on_sent=sent, on_relayed=measure)
     finally:
-        if f.measuring is None:  # cancelled before the relay began: measured all the same
-            measure()
+        measure()  # the request failed or was cancelled: measured all the same
 
 
 async def _land(f: _Flight) -> None:
