@@ -222,8 +222,9 @@ async def test_growing_session_over_http_is_spliced_and_forwards_the_same(
     gateway: Any, upstream: Any
 ) -> None:
     """Big bodies of a growing session (Python's json formatting, an Anthropic one too):
-    from the second request on the body is spliced, and what the upstream receives is
-    byte for byte what deciding the whole body without any cache forwards."""
+    from the second request on the body is spliced (and cut where its record's spans
+    say), and what the upstream receives is byte for byte what deciding the whole body
+    without any cache forwards."""
     from .test_proxy import post_raw
 
     gw = await gateway(memory={"enable_eviction": True, "shadow": False,
@@ -256,6 +257,10 @@ async def test_growing_session_over_http_is_spliced_and_forwards_the_same(
     entries = list(cache._entries.values())
     assert cache.bytes == sum(e.size for e in entries)  # the records' bytes are counted
     assert all(e.reuse is not None and e.reuse.payload["messages"] is e.items for e in entries)
+    # eviction on: each record knows where its messages are, so the cuts above (the
+    # bytes checked against a whole decide) were made from its spans
+    assert all(e.reuse is not None and e.reuse.rec.spans is not None
+               and len(e.reuse.rec.spans) == e.reuse.rec.count for e in entries)
 
 
 def test_small_body_drops_the_inherited_record() -> None:
