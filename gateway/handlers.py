@@ -41,9 +41,9 @@ _RID = re.compile(r"[^A-Za-z0-9._-]")
 # a history with more uncounted text than this is token-counted for the [mem] line on the
 # gateway's counting thread (while the upstream answers, off the event loop)
 OFFLOAD_CHARS = 65_536
-# how long after the body has left the [mem] measuring waits for the answer's first bytes
-# (relayed first when they come sooner; an LLM's take longer, and the measuring then
-# runs while the client waits for them anyway)
+# how long after a cut body has left its [mem] measuring waits before running beside the
+# upstream's answer: an answer complete by then (a cache, a mock) is relayed first and
+# measured after it; an LLM takes longer, and the measuring runs while the client waits
 MEASURE_AFTER_S = 0.002
 
 
@@ -218,6 +218,7 @@ class _Flight:
     overhead_ms: float = 0.0
     deferred: bool = False  # forwarded as is: decided after the response
     measuring: Measured | None = None  # the [mem] fields, measured while upstream answers
+    measure_at: asyncio.TimerHandle | None = None  # when that measuring starts
     recall_failed: bool = False
 
     def elapsed_ms(self) -> float:
@@ -322,19 +323,17 @@ async def _plan(f: _Flight, raw: bytes, up: Upstream | None) -> tuple[Decision, 
 
 async def _relay_planned(f: _Flight, up: Upstream, d: Decision) -> web.StreamResponse:
     """Forward the planned body; the [mem] fields are measured while the upstream answers
-    (the loop would wait for them otherwise): from MEASURE_AFTER_S after the body has
-    left (a task started before it would run first: aiohttp writes a body in a task of
-    its own), or once the answer's first bytes are relayed if they come sooner (an
-    upstream that fast would otherwise wait for the measuring)."""
+    (the loop would wait for them otherwise), from MEASURE_AFTER_S after the body has
+    left (a task started before would run first: aiohttp writes a body in a task of its
+    own); an answer relayed sooner is measured after it (`_land`), not held for it."""
     f.overhead_ms = f.elapsed_ms()
 
     def measure() -> None:
-        if f.measuring is None:
-            f.measuring = asyncio.ensure_future(_measure(
-                f.state, f.request, f.tenant, f.session, f.wire, d, f.rid, f.recall_failed))
+        f.measuring = asyncio.ensure_future(_measure(
+            f.state, f.request, f.tenant, f.session, f.wire, d, f.rid, f.recall_failed))
 
     def sent() -> None:
-        asyncio.get_running_loop().call_later(MEASURE_AFTER_S, measure)
+        f.measure_at = asyncio.get_running_loop().call_later(MEASURE_AFTER_S, measure)
 
     try:
         return await relay(f.request, f.state.pool, up, d.forward, f.info,
@@ -342,9 +341,10 @@ async def _relay_planned(f: _Flight, up: Upstream, d: Decision) -> web.StreamRes
                            credential_headers=f.rules.tenants.credential_headers,
                            stream_ends=f.wire.stream_ends,
                            original=_fallback_body(f.rules, d), usage_wire=f.wire.name,
-                           on_sent=sent, on_relayed=measure)
+                           on_sent=sent)
     finally:
-        measure()  # the request failed or was cancelled: measured all the same
+        if f.measure_at is not None:  # not started yet: `_land` measures
+            f.measure_at.cancel()
 
 
 async def _land(f: _Flight) -> None:
@@ -357,7 +357,7 @@ async def _land(f: _Flight) -> None:
         except GatewayError:  # cannot happen without metadata; measured as skipped
             f.d = None
     account = _account(f.state, f.request, f.tenant, f.session, f.wire, f.d, f.info,
-                       f.overhead_ms, f.rid, f.measuring)
+                       f.overhead_ms, f.rid, f.measuring, f.recall_failed)
     if f.span is not None:
         account = f.span.after(account)
     if _accounts_inline(f):
@@ -447,6 +447,7 @@ async def _account(
     state: GatewayState, request: web.Request, tenant: str | None, session: str, wire: Wire,
     d: Decision | None, info: Relayed, overhead_ms: float, rid: str,
     measuring: asyncio.Future[tuple[dict[str, Any], dict[str, Any]]] | None,
+    recall_failed: bool = False,
 ) -> None:
     try:
         if measuring is not None:  # started while the upstream answered
@@ -454,7 +455,8 @@ async def _account(
         else:
             if not session:  # the body never arrived: the session is what the headers say
                 session = _session(request, state.rules.session_header, None, None, tenant)
-            measured = await _measure(state, request, tenant, session, wire, d, rid)
+            measured = await _measure(state, request, tenant, session, wire, d, rid,
+                                      recall_failed)
         _log_mem(state, wire, d, info, overhead_ms, rid, measured)
     except Exception as exc:  # noqa: BLE001 - accounting must never fail a request
         state.log.error("mem_log_failed", error=type(exc).__name__, detail=str(exc)[:200],

@@ -236,7 +236,6 @@ async def relay(
     original: bytes | None = None,
     usage_wire: str = "",
     on_sent: Callable[[], None] | None = None,
-    on_relayed: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
     """Send the request upstream and stream the answer back as it arrives.
 
@@ -247,9 +246,7 @@ async def relay(
     An event stream is complete once a `stream_ends` line was relayed, whoever
     hangs up after it. `usage_wire`: the wire whose `usage` the answer is read for
     (into `info.usage`, whatever part of it arrived). `on_sent`: called once the body
-    is with the transport (or, when it never gets there, once the request failed);
-    `on_relayed`: once the answer's first bytes are with the client (or the answer ended
-    without any).
+    is with the transport (or, when it never gets there, once the request failed).
     """
     headers = request_headers(request.headers, up, credential_headers)
     if request.get(DECODED):  # read_body decoded the body that goes
@@ -281,18 +278,6 @@ async def relay(
         up_resp = await resend_original(pool, up, up_resp, headers, original, info)
     info.upstream_ms = (time.perf_counter() - t0) * 1000
     info.status = up_resp.status
-    try:
-        return await _relay_answer(request, up_resp, info, stream_ends, usage_wire, on_relayed)
-    finally:
-        if on_relayed is not None:
-            on_relayed()
-
-
-async def _relay_answer(
-    request: web.Request, up_resp: aiohttp.ClientResponse, info: Relayed,
-    stream_ends: tuple[bytes, ...], usage_wire: str, on_relayed: Callable[[], None] | None,
-) -> web.StreamResponse:
-    """Stream the upstream's answer to the client as it arrives (see relay)."""
     async with up_resp:
         resp = web.StreamResponse(status=up_resp.status, reason=up_resp.reason)
         for k, v in up_resp.headers.items():
@@ -312,9 +297,6 @@ async def _relay_answer(
             async for chunk in up_resp.content.iter_any():
                 info.bytes_out += len(chunk)
                 await resp.write(chunk)
-                if on_relayed is not None:
-                    on_relayed()
-                    on_relayed = None
                 if end is not None and end.seen(chunk):
                     info.ended, end = True, None
                 if usage is not None:

@@ -423,14 +423,18 @@ def test_a_body_that_cannot_be_cut_goes_unchanged() -> None:
 # --- when and how the bytes leave ---------------------------------------------------------
 
 class _Arrivals(http.server.BaseHTTPRequestHandler):
-    """An upstream on a thread of its own (the gateway's loop cannot delay it): notes
-    when each whole body arrived."""
+    """An upstream on a thread of its own (the gateway's loop cannot delay it) that
+    answers after 0.1 s, as a model takes its time: notes when each whole body arrived
+    and when the answer went."""
 
     arrived: list[tuple[float, bytes]] = []
+    answered: list[float] = []
 
     def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
         raw = self.rfile.read(int(self.headers["Content-Length"]))
         self.arrived.append((time.perf_counter(), raw))
+        time.sleep(0.1)
+        self.answered.append(time.perf_counter())
         reply = orjson.dumps(CHAT_REPLY)
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -448,15 +452,17 @@ async def test_the_body_leaves_before_the_measuring(
     """The [mem] measuring that runs while the upstream answers starts once the cut body
     is with the transport: a measuring that holds the loop for 0.4 s does not hold the
     request (aiohttp writes a body in a task of its own, which a task started before it
-    would precede)."""
+    would precede), and it does run before the answer comes."""
     real = handlers._measure
+    started: list[float] = []
 
     async def slow(*args: Any, **kwargs: Any) -> Any:
+        started.append(time.perf_counter())
         time.sleep(0.4)  # CPU on the loop, as a big history's counting is
         return await real(*args, **kwargs)
 
     monkeypatch.setattr(handlers, "_measure", slow)
-    _Arrivals.arrived = []
+    _Arrivals.arrived, _Arrivals.answered = [], []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Arrivals)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -477,6 +483,7 @@ async def test_the_body_leaves_before_the_measuring(
     ((at, sent),) = _Arrivals.arrived
     assert sent != raw
     assert at - t0 < 0.3, f"the body arrived {at - t0:.3f} s after the request"
+    assert started and started[0] < _Arrivals.answered[0]  # beside the upstream's work
 
 
 @pytest.mark.parametrize("memory", [{"enable_eviction": False}, EVICTING])
