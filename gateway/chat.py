@@ -21,11 +21,12 @@ from .carry.snapshot import DEFAULT_NOTE, CarryRules
 from .conversation import META_KEY, BadMetadata, Conversation, Unplannable, read_metadata
 from .errors import BadRequest, OverBudget
 from .history import HistoryCache, View
+from .jsonbytes import Span
 from .policy import Limits, Plan, PlanRules, plan
 from .policy.compact import MARK, archive_id, compact_text, eligible, with_text
 from .policy.fill import forward_order
 from .rules import Rules
-from .splice import Splice
+from .splice import Splice, spans_of
 from .tokens import TokenCounter, Tokenizers
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
@@ -228,7 +229,7 @@ def decide(
     raw: bytes, payload: Any, rules: Rules, tokenizers: Tokenizers, wire: Wire = OPENAI_CHAT,
     recalled: list[str] | None = None, history: HistoryCache | None = None,
     key: tuple[str, str] | None = None, default_model: str | None = None,
-    archive_in: str | None = None,
+    archive_in: str | None = None, spliced: Splice | None = None,
 ) -> Decision:
     """Plan one request; raises BadRequest / OverBudget for the client.
 
@@ -236,7 +237,8 @@ def decide(
     since its previous request is parsed, counted and folded. `default_model` is the
     model of a body that names none (an Azure deployment route names it in the path).
     `archive_in`: the tenant whose store will archive the originals of compacted tool
-    results (their markers then name the archive ids)."""
+    results (their markers then name the archive ids). `spliced`: the session's record
+    `raw` was parsed with (history.loads), whose item spans a cut reuses."""
     model = payload.get("model") if isinstance(payload, dict) else None
     model = model if isinstance(model, str) else default_model
     counter = tokenizers.get(rules.model_info(model).encoding)
@@ -245,6 +247,7 @@ def decide(
     d = Decision(
         raw=raw, payload=payload, wire=wire, mode=rules.memory.mode, model=model,
         counter=counter, forward=raw,
+        spliced_from=spliced,
     )
     if payload is None:
         d.skip_reason = "invalid_json"
@@ -256,7 +259,8 @@ def decide(
         # the client's bytes go as they came
         return Decision(raw=raw, payload=payload, wire=wire, mode=d.mode, model=model,
                         counter=counter, forward=raw,
-                        skip_reason="nested_too_deep", _items=[], _overhead=0)
+                        skip_reason="nested_too_deep", _items=[], _overhead=0,
+                        spliced_from=spliced)
 
 
 def _plan_into(
@@ -353,11 +357,22 @@ def _plan_into(
         _forward(d, wire.build_body(raw, payload, stable, marker_at, d.note, before,
                                     d.conv.has_metadata,
                                     {i: d.compacted[i] for i in d.plan.kept if i in d.compacted},
-                                    moved))
+                                    moved, _known_spans(d, rules)))
     elif d.conv.has_metadata:
         # gateway metadata is ours: upstreams never see it, whatever the mode
-        _forward(d, wire.build_body(raw, payload, list(range(len(items)))))
+        _forward(d, wire.build_body(raw, payload, list(range(len(items))),
+                                    spans=_known_spans(d, rules)))
     return d
+
+
+def _known_spans(d: Decision, rules: Rules) -> list[Span] | None:
+    """Where the items are in the body, when the session's record it was spliced with
+    says where the resent ones are (only the new ones are scanned); None: the body is
+    scanned for them (MEMGATE_SHORTCUTS_OFF=spans, or no record with spans)."""
+    src = d.spliced_from
+    if src is None or src.key != d.wire.items_key or "spans" in rules.shortcuts_off:
+        return None
+    return spans_of(d.raw, src, d.messages)
 
 
 def _without_bad_metadata(items: list[Any]) -> list[Any]:

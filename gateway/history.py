@@ -152,10 +152,11 @@ class HistoryCache:
         return 0
 
     def remember(self, key: tuple[str, str], raw: bytes, payload: Any, items: list[Any],
-                 src: splice.Splice | None, scan: bool = True) -> None:
+                 src: splice.Splice | None, scan: bool = True, spans: bool = False) -> None:
         """After a request: note where its last item starts in `raw`, so the session's
         next body can be spliced there (scanning only the new items when this one was);
-        `scan`: also note whether that prefix is free of splice.MARKERS."""
+        `scan`: also note whether that prefix is free of splice.MARKERS; `spans`: and
+        where its items are (see splice.make)."""
         e = self._entries.get(key)
         if e is None or (e.reuse is not None and e.reuse.payload is payload):
             return  # the session is gone, or this request's record is made
@@ -169,7 +170,7 @@ class HistoryCache:
             return
         rec = None
         if len(raw) >= SPLICE_MIN_BYTES and isinstance(payload, dict):
-            rec = splice.make(raw, e.wire.items_key, payload, src, scan)
+            rec = splice.make(raw, e.wire.items_key, payload, src, scan, spans)
         if newer and (rec is None or (e.reuse is not None
                                       and len(e.reuse.rec.prefix) >= len(rec.prefix))):
             return

@@ -180,6 +180,12 @@ def elements(b: bytes, i: int, values: Sequence[Any] | None = None) -> list[Span
     j = ws(b, i + 1)
     if b[j] == 0x5D:
         return []
+    return spans_from(b, j, values)
+
+
+def spans_from(b: bytes, j: int, values: Sequence[Any] | None = None) -> list[Span]:
+    """The spans of the elements of an array from the one starting at b[j] to the array's
+    end (`values`: the parse of those elements, as for `elements`)."""
     spelled: Sequence[bytes | None] = ()
     if values is not None:
         try:

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from .jsonbytes import skip_items, string_end, value_end, ws
+from .jsonbytes import Span, members, skip_items, spans_from, string_end, value_end, ws
 
 _ASCII_ESCAPE = re.compile(rb"\\u00[2-7]")  # \u00XX spelling a printable ASCII character
 
@@ -51,6 +51,10 @@ class Splice:
     before: tuple[str, ...]  # top-level keys before the items list, in order
     key: str  # the items key ("messages", "input")
     unmarked: bool | None = None  # the prefix holds none of MARKERS (None: not searched)
+    # where each of the `count` items before the offset starts and ends (None: not kept):
+    # the same in every body that starts with `prefix`, so a body cut from the next one
+    # scans only its new items for theirs
+    spans: tuple[Span, ...] | None = None
 
 
 def unmarked_from(b: bytes, rec: Splice) -> int:
@@ -130,20 +134,23 @@ def _at_last_item(b: bytes, key: str, payload: dict[str, Any]) -> Splice | None:
 
 
 def make(b: bytes, key: str, payload: dict[str, Any], src: Splice | None,
-         scan: bool = True) -> Splice | None:
+         scan: bool = True, spans: bool = False) -> Splice | None:
     """The splice record for body `b` (parsed: `payload`) at the start of its last item;
     `src`, the record `b` was spliced with, lets only the new items be scanned. `scan`:
     search the prefix for MARKERS (only eviction off reads the result; without it the
-    record says it does not know, and the whole body is searched)."""
+    record says it does not know, and the whole body is searched). `spans`: keep the
+    items' spans (what cutting the next body needs; found from `src`'s plus the new
+    items', or, the first time, by scanning the body's members)."""
     items = payload.get(key)
     if type(items) is not list or len(items) < 2:
         return None
     n = len(items) - 1
     try:
         if src is not None and src.key == key and src.count <= n:
-            off = skip_items(b, len(src.prefix), n - src.count)
-            if off is None:
+            walked = _walk(b, len(src.prefix), n - src.count)
+            if walked is None:
                 return None
+            off, new = walked
             clean = src.unmarked
             if not scan:
                 clean = None
@@ -151,7 +158,9 @@ def make(b: bytes, key: str, payload: dict[str, Any], src: Splice | None,
                 clean = unmarked(b, 0, off)
             elif clean:  # only the new items
                 clean = unmarked(b, max(0, len(src.prefix) - _OVERLAP), off)
-            return Splice(b[:off], n, src.before, key, clean)
+            known = src.spans + tuple(new) if spans and src.spans is not None else None
+            rec = Splice(b[:off], n, src.before, key, clean, known)
+            return _with_spans(rec, b, payload) if spans and known is None else rec
         fast = _at_last_item(b, key, payload)
         if fast is None:
             found = locate(b, key, n)
@@ -160,7 +169,50 @@ def make(b: bytes, key: str, payload: dict[str, Any], src: Splice | None,
             fast = Splice(b[: found[0]], n, found[1], key)
     except (IndexError, ValueError):
         return None
+    if spans:
+        fast = _with_spans(fast, b, payload)
     return replace(fast, unmarked=unmarked(fast.prefix)) if scan else fast
+
+
+def _walk(b: bytes, off: int, n: int) -> tuple[int, list[Span]] | None:
+    """jsonbytes.skip_items, with the spans of the `n` items passed over."""
+    out: list[Span] = []
+    for _ in range(n):
+        end = value_end(b, off)
+        out.append((off, end))
+        off = ws(b, end)
+        if b[off] != 0x2C:  # ',' - anything else: the list ended
+            return None
+        off = ws(b, off + 1)
+    return None if b[off] == 0x5D else (off, out)
+
+
+def _with_spans(rec: Splice, b: bytes, payload: dict[str, Any]) -> Splice:
+    """`rec` with the spans of its items, read from the list orjson read in `b` (the
+    last of that name); unchanged if that list does not start the way `rec` says."""
+    try:
+        found = [m for m in members(b, ws(b, 0), payload, listed=rec.key)
+                 if m.name == rec.key][-1].items
+    except (IndexError, ValueError):
+        return rec
+    if found is None or len(found) <= rec.count or found[rec.count][0] != len(rec.prefix):
+        return rec
+    return replace(rec, spans=tuple(found[: rec.count]))
+
+
+def spans_of(b: bytes, rec: Splice, values: list[Any]) -> list[Span] | None:
+    """The spans of every item of body `b`, spliced with `rec` (its items: `values`):
+    the record's for its prefix, the new items' scanned; None when the record kept none
+    or they do not add up to `values`."""
+    if rec.spans is None or len(values) <= rec.count or not b.startswith(rec.prefix):
+        return None
+    try:
+        new = spans_from(b, len(rec.prefix), values[rec.count:])
+    except (IndexError, ValueError):
+        return None
+    if len(new) != len(values) - rec.count:
+        return None
+    return [*rec.spans, *new]
 
 
 def loads(b: bytes, rec: Splice, prev_payload: dict[str, Any]) -> dict[str, Any] | None:

@@ -10,13 +10,16 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_writer import StreamWriter
+from aiohttp.payload import BytesPayload, Payload
 from multidict import CIMultiDict
 
 from .errors import GatewayError, UpstreamTimeout, UpstreamUnreachable
@@ -40,6 +43,40 @@ DISCARD_BYTES = 65_536
 
 # set on a request whose body read_body decoded (the relay then drops Content-Encoding)
 DECODED = web.RequestKey("memgate.decoded", bool)
+# from this size a body is written after its headers instead of joined to them (a copy)
+SEPARATE_WRITE_BYTES = 65_536
+
+
+class SentBody(BytesPayload):
+    """A body as the relay hands it to aiohttp: written whole (aiohttp slices bytes to
+    their Content-Length: a copy), a big one after its headers rather than joined to
+    them (another), and `on_sent` called once it is with the transport, so what runs
+    next on the loop runs after the request has left, not before."""
+
+    def __init__(self, value: bytes, on_sent: Callable[[], None] | None = None) -> None:
+        # BytesPayload's own __init__ only adds a warning about bodies over 1 MB
+        Payload.__init__(self, value, content_type="application/octet-stream")
+        self._size = len(value)  # what aiohttp reads as the Content-Length
+        self._on_sent = on_sent
+
+    async def write_with_length(self, writer: AbstractStreamWriter,
+                                content_length: int | None) -> None:
+        body: bytes | memoryview = self._value
+        size = len(self._value)
+        if content_length is not None and content_length < size:
+            body = memoryview(self._value)[:content_length]
+        try:
+            if size >= SEPARATE_WRITE_BYTES and isinstance(writer, StreamWriter):
+                writer.send_headers()
+            await writer.write(body)
+        finally:
+            self.sent()
+
+    def sent(self) -> None:
+        """Call on_sent, once (also when the body never went: the caller's work runs)."""
+        on_sent, self._on_sent = self._on_sent, None
+        if on_sent is not None:
+            on_sent()
 
 
 @dataclass(slots=True)
@@ -201,6 +238,7 @@ async def relay(
     stream_ends: tuple[bytes, ...] = (),
     original: bytes | None = None,
     usage_wire: str = "",
+    on_sent: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
     """Send the request upstream and stream the answer back as it arrives.
 
@@ -210,19 +248,21 @@ async def relay(
     response has started, failures end the stream and are recorded in `info`.
     An event stream is complete once a `stream_ends` line was relayed, whoever
     hangs up after it. `usage_wire`: the wire whose `usage` the answer is read for
-    (into `info.usage`, whatever part of it arrived).
+    (into `info.usage`, whatever part of it arrived). `on_sent`: called once the body
+    is with the transport (or, when it never gets there, once the request failed).
     """
     headers = request_headers(request.headers, up, credential_headers)
     if request.get(DECODED):  # read_body decoded the body that goes
         headers.popall("Content-Encoding", None)
     if extra_headers:
         headers.update(extra_headers)
+    data = SentBody(body, on_sent) if isinstance(body, bytes) else body
     t0 = time.perf_counter()
     try:
         up_resp = await pool.session(up).request(
             request.method,
             target_url(up, request.path_qs),
-            data=body,
+            data=data,
             headers=headers,
             timeout=_timeout(up),
             allow_redirects=False,
@@ -231,6 +271,11 @@ async def relay(
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         info.upstream_ms = (time.perf_counter() - t0) * 1000
         raise map_transport_error(exc, up) from None
+    finally:
+        if isinstance(data, SentBody):
+            data.sent()  # a no-op once written
+        elif on_sent is not None:
+            on_sent()
     if (original is not None and isinstance(body, bytes)
             and refuses(up_resp.status, up_resp.headers, body, original)):
         up_resp = await resend_original(pool, up, up_resp, headers, original, info)

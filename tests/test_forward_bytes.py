@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import http.server
+import io
 import json
+import threading
+import time
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway import handlers
 from gateway.conversation import META_KEY
 from gateway.wire import WIRES
 from gateway.wire.anthropic_messages import EPHEMERAL, UNMARKABLE
 
-from .conftest import GatewayFactory, Upstream
+from .conftest import CHAT_REPLY, GatewayFactory, Upstream
 from .test_proxy import post_raw
 
 BIG = 123456789012345678901234567893  # past 64 bits: orjson reads it as a float
@@ -412,3 +418,91 @@ def test_a_body_that_cannot_be_cut_goes_unchanged() -> None:
     d = decide(raw, orjson.loads(json.dumps(payload)), rules, Tokenizers(100))
     assert d.forward is raw and d.skip_reason == "unscannable"
     assert d.plan is None and d.note is None
+
+
+# --- when and how the bytes leave ---------------------------------------------------------
+
+class _Arrivals(http.server.BaseHTTPRequestHandler):
+    """An upstream on a thread of its own (the gateway's loop cannot delay it) that
+    answers after 0.1 s, as a model takes its time: notes when each whole body arrived
+    and when the answer went."""
+
+    arrived: list[tuple[float, bytes]] = []
+    answered: list[float] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+        raw = self.rfile.read(int(self.headers["Content-Length"]))
+        self.arrived.append((time.perf_counter(), raw))
+        time.sleep(0.1)
+        self.answered.append(time.perf_counter())
+        reply = orjson.dumps(CHAT_REPLY)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+async def test_the_body_leaves_before_the_measuring(
+    gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The [mem] measuring that runs while the upstream answers starts once the cut body
+    is with the transport: a measuring that holds the loop for 0.4 s does not hold the
+    request (aiohttp writes a body in a task of its own, which a task started before it
+    would precede), and it does run before the answer comes."""
+    real = handlers._measure
+    started: list[float] = []
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        started.append(time.perf_counter())
+        time.sleep(0.4)  # CPU on the loop, as a big history's counting is
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(handlers, "_measure", slow)
+    _Arrivals.arrived, _Arrivals.answered = [], []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Arrivals)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        gw = await gateway(EVICTING, upstream_url=f"http://127.0.0.1:{server.server_port}")
+        raw = json.dumps(history("chat")).encode()
+        async with aiohttp.ClientSession() as s:
+            t0 = time.perf_counter()
+            async with s.post(f"{gw.url}/v1/chat/completions", data=raw,
+                              headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 200
+                await r.read()
+        (mem,) = await gw.wait_mem(1)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert int(mem["dropped"]) > 0  # a cut body: the measuring ran beside the relay
+    ((at, sent),) = _Arrivals.arrived
+    assert sent != raw
+    assert at - t0 < 0.3, f"the body arrived {at - t0:.3f} s after the request"
+    assert started and started[0] < _Arrivals.answered[0]  # beside the upstream's work
+
+
+@pytest.mark.parametrize("memory", [{"enable_eviction": False}, EVICTING])
+async def test_a_body_over_a_megabyte_goes_whole(
+    gateway: GatewayFactory, upstream: Upstream, memory: dict[str, Any]
+) -> None:
+    """A body past 1 MB (written after its headers, not joined to them) reaches the
+    upstream whole: unchanged with eviction off, the kept items' bytes with it on."""
+    gw = await gateway(memory)
+    payload = history("chat", turns=4)
+    payload["messages"][0]["content"] = "caf\u00e9 " * 300_000  # 1.8 MB, the first turn
+    raw = json.dumps(payload).encode()
+    async with aiohttp.ClientSession() as s, s.post(  # from a file: aiohttp warns on bytes
+            f"{gw.url}/v1/chat/completions", data=io.BytesIO(raw),
+            headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 200
+    got = upstream.received[-1]["raw"]
+    if memory["enable_eviction"]:
+        assert len(got) < len(raw)
+        assert orjson.loads(got)["messages"][-1] == orjson.loads(raw)["messages"][-1]
+    else:
+        assert got == raw

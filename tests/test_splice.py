@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from gateway import splice
 from gateway.chat import decide
+from gateway.jsonbytes import members, ws
 from gateway.wire.anthropic_messages import ANTHROPIC_MESSAGES
 from gateway.wire.openai_chat import OPENAI_CHAT
 
@@ -106,6 +107,46 @@ def test_splice_is_the_whole_parse_or_nothing(p: dict[str, Any], fmt: str, more:
         assert inc == splice.make(new, "messages", orjson.loads(new), None)
 
 
+@given(p=body(), fmt=st.sampled_from(sorted(FORMATS)),
+       grows=st.lists(st.lists(ITEM, min_size=1, max_size=3), min_size=1, max_size=3),
+       seed=st.sampled_from(["first", "spliced"]))
+@settings(max_examples=300)
+def test_spans_kept_along_a_session_are_the_bodys_own(
+        p: dict[str, Any], fmt: str, grows: list[list[Any]], seed: str) -> None:
+    """The item spans a record keeps, extended request by request with the new items'
+    only, are where each body's items are (jsonbytes.elements over the whole body, the
+    list orjson reads), and a body cut from them is the body cut from a full scan: for
+    every formatting, keys around the list, nested and escaped values. The first record
+    finds them by scanning its body, or (seed=spliced) from one made without spans."""
+    dump = FORMATS[fmt]
+    raw = dump(p)
+    prev = orjson.loads(raw)
+    rec = splice.make(raw, "messages", prev, None, scan=False, spans=seed == "first")
+    assert rec is not None
+    msgs = list(p["messages"])
+    for more in grows:
+        msgs += more
+        new = dump({**p, "messages": msgs})
+        got = splice.loads(new, rec, prev)
+        if got is None:  # a new item looks like a key: the whole parse, no record used
+            return
+        full = [m for m in members(new, ws(new, 0), got, listed="messages")
+                if m.name == "messages"][-1].items
+        assert full is not None and len(full) == len(msgs)
+        if rec.spans is not None:
+            assert list(rec.spans) == full[: rec.count]
+            spans = splice.spans_of(new, rec, got["messages"])
+            assert spans == full
+            kept = sorted({*range(0, len(msgs), 2), len(msgs) - 1})
+            assert (OPENAI_CHAT.build_body(new, got, kept, spans=spans)
+                    == OPENAI_CHAT.build_body(new, got, kept))
+        else:
+            assert splice.spans_of(new, rec, got["messages"]) is None
+        rec = splice.make(new, "messages", got, rec, scan=False, spans=True)
+        assert rec is not None and rec.spans is not None
+        prev = got
+
+
 MARKED = st.lists(st.sampled_from(["memgate", "mem", "gate", "\\u00", "\\u006d", "é", "x "]),
                   max_size=4).map("".join)
 
@@ -181,8 +222,9 @@ async def test_growing_session_over_http_is_spliced_and_forwards_the_same(
     gateway: Any, upstream: Any
 ) -> None:
     """Big bodies of a growing session (Python's json formatting, an Anthropic one too):
-    from the second request on the body is spliced, and what the upstream receives is
-    byte for byte what deciding the whole body without any cache forwards."""
+    from the second request on the body is spliced (and cut where its record's spans
+    say), and what the upstream receives is byte for byte what deciding the whole body
+    without any cache forwards."""
     from .test_proxy import post_raw
 
     gw = await gateway(memory={"enable_eviction": True, "shadow": False,
@@ -215,6 +257,10 @@ async def test_growing_session_over_http_is_spliced_and_forwards_the_same(
     entries = list(cache._entries.values())
     assert cache.bytes == sum(e.size for e in entries)  # the records' bytes are counted
     assert all(e.reuse is not None and e.reuse.payload["messages"] is e.items for e in entries)
+    # eviction on: each record knows where its messages are, so the cuts above (the
+    # bytes checked against a whole decide) were made from its spans
+    assert all(e.reuse is not None and e.reuse.rec.spans is not None
+               and len(e.reuse.rec.spans) == e.reuse.rec.count for e in entries)
 
 
 def test_small_body_drops_the_inherited_record() -> None:

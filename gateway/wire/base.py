@@ -103,7 +103,7 @@ class Wire:
         self, raw: bytes, payload: dict[str, Any], kept: list[int],
         marker_at: int | None = None, note: str | None = None, note_before: int | None = None,
         metadata: bool = True, texts: dict[int, list[tuple[Any, str]]] | None = None,
-        moved: Sequence[int] = (),
+        moved: Sequence[int] = (), spans: list[Span] | None = None,
     ) -> bytes | None:
         """The client's body `raw` (parsed: `payload`) with only the `kept` items
         (ascending), the gateway metadata cut out of them (`metadata`: any item may hold
@@ -112,13 +112,17 @@ class Wire:
         `note_before` (the current turn), after the stable prefix; `texts` gives items a
         new string at a path inside them (a compacted tool result: only that value's
         bytes change). Made from the client's bytes: every other byte is the client's,
-        a moved item's included.
+        a moved item's included. `spans`: where the items are in `raw`, when that is
+        known (then the body is not scanned for them).
         None when the bytes cannot be read so (the caller forwards them unchanged)."""
         items = self.items(payload)
         if items is None:
             return None
         key = self.items_key
         try:
+            if spans is not None:
+                return apply(raw, self._item_edits(raw, spans, items, kept, marker_at, note,
+                                                   note_before, metadata, texts, moved))
             top = members(raw, ws(raw, 0), payload, listed=key)
             m = [m for m in top if m.name == key][-1]  # the one orjson read
             if m.items is not None:

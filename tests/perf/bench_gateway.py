@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """memgate vs a bare aiohttp passthrough, same fast local upstream, one run (loopback only).
 
-    python tests/perf/bench_gateway.py [--seconds 3]
+    python tests/perf/bench_gateway.py [--seconds 3] [--baseline /work/main]
 
 Starts a fixed-answer upstream, a bare aiohttp passthrough and memgate (eviction
 off, then on with a budget that evicts medium and larger payloads) as separate
@@ -12,7 +12,9 @@ passthrough measured in the same run, and memgate's own time before forwarding
 (`overhead_ms` of its [mem] lines: what a client waiting on a real LLM pays;
 the latency above also holds the bookkeeping after each fast answer); then a
 growing session (gateway CPU per request at turn 10 vs turn 1,000, warm) and a
-cold 1 MB history (time to first byte, nothing cached).
+cold 1 MB history (time to first byte, nothing cached). `--baseline DIR` adds
+memgate-on run from another checkout (its `gateway` package, e.g. the main branch's)
+as `baseline-on`, measured in the same rounds, and reports memgate-on against it.
 Bounded in time; everything stops by itself.
 """
 
@@ -111,13 +113,13 @@ def body(msgs: list[dict[str, Any]], tag: str = "") -> bytes:
 
 class Proc:
     def __init__(self, args: list[str], port: int, env: dict[str, str] | None = None,
-                 log: Path | None = None) -> None:
+                 log: Path | None = None, cwd: Path | None = None) -> None:
         self.port = port
         self.log = log  # the target's stderr: memgate's JSON log lines
         err = log.open("wb") if log is not None else subprocess.DEVNULL
         self.p = subprocess.Popen(args, env={**os.environ, **(env or {})},
                                   stdout=subprocess.DEVNULL, stderr=err,
-                                  start_new_session=True)
+                                  start_new_session=True, cwd=cwd)
         if log is not None:
             err.close()  # the child holds its own copy
         deadline = time.time() + 30
@@ -218,6 +220,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--console", action="store_true",
                     help="also memgate-on with the operator console on (console.enabled)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a checkout whose memgate-on is measured beside this one's")
     args = ap.parse_args()
     py = sys.executable
     up = Proc([py, "-c", UPSTREAM, str(port := free_port())], port)
@@ -228,13 +232,17 @@ def main() -> None:
         pt = Proc([py, "-c", PASSTHROUGH, str(p := free_port()), upstream], p)
         procs.append(pt)
         targets = {"passthrough": pt}
-        for name, env in (("memgate-off", {"MEMGATE_ENABLE_EVICTION": "0"}),
-                          ("memgate-on", {"MEMGATE_ENABLE_EVICTION": "1"})):
+        runs = [("memgate-off", {"MEMGATE_ENABLE_EVICTION": "0"}, ROOT),
+                ("memgate-on", {"MEMGATE_ENABLE_EVICTION": "1"}, ROOT)]
+        if args.baseline is not None:  # `-m gateway` imports from the working directory
+            runs.append(("baseline-on", {"MEMGATE_ENABLE_EVICTION": "1",
+                                         "PYTHONPATH": str(args.baseline)}, args.baseline))
+        for name, env, where in runs:
             port = free_port()
             targets[name] = Proc([py, "-m", "gateway", "serve", "--port", str(port),
                                   "--upstream", upstream], port, {**env, "MEMGATE_LOG_FORMAT":
                                                                   "json"},
-                                 log=Path(logs.name) / f"{name}.log")
+                                 log=Path(logs.name) / f"{name}.log", cwd=where)
             procs.append(targets[name])
         if args.console:  # the same config as memgate-on, with the console observing
             port = free_port()
@@ -248,7 +256,8 @@ def main() -> None:
         print(f"{'payload':<8} {'bytes':>9} | " + " | ".join(
             f"{t:>11} p50 ms  rps" for t in targets)
             + " | on/pt p50  on/pt rps  on/pt cpu  off/pt p50  on pre-forward ms"
-            + ("  console/on p50  rps  cpu  pre-forward ms" if args.console else ""))
+            + ("  console/on p50  rps  cpu  pre-forward ms" if args.console else "")
+            + ("  on/base p50  cpu  base pre-forward ms" if args.baseline else ""))
         for name, payload in payloads.items():
             row = {}
             pre_forward = {t: float("nan") for t in targets}
@@ -257,7 +266,8 @@ def main() -> None:
                 asyncio.run(latency(url, payload, 0.5))  # warm-up
                 since = proc.log_size()
                 lat = asyncio.run(latency(url, payload, args.seconds))
-                if t in ("memgate-on", "on+console"):  # what a client waiting on an LLM pays
+                if t in ("memgate-on", "on+console", "baseline-on"):  # what a client waiting
+                    # on an LLM pays
                     pre_forward[t] = proc.overhead_ms(since)
                 c0 = proc.cpu_s()
                 rps = asyncio.run(throughput(url, payload, args.seconds))
@@ -271,13 +281,17 @@ def main() -> None:
                   f" {row['memgate-off'][0] / pt_l:>11.2f} {pre_forward['memgate-on']:>18.3f}"
                 + (f"  {row['on+console'][0] / on_l:>14.2f} {row['on+console'][1] / on_r:>4.2f}"
                    f" {row['on+console'][2] / on_c:>4.2f} {pre_forward['on+console']:>15.3f}"
-                   if args.console else ""))
+                   if args.console else "")
+                + (f"  {on_l / row['baseline-on'][0]:>11.2f} {on_c / row['baseline-on'][2]:>4.2f}"
+                   f" {pre_forward['baseline-on']:>18.3f}" if args.baseline else ""))
         print("\ngrowing session, warm: CPU per request, each request = the previous history"
               " + one turn (5 warm-up requests, then 100 measured); every user turn names a"
               " file of its own, as an agent's do")
         for turns in (10, 100, 1000):
             cpu = []
-            names = ["passthrough", "memgate-on", *(["on+console"] if args.console else [])]
+            extra = [*(["on+console"] if args.console else []),
+                     *(["baseline-on"] if args.baseline else [])]
+            names = ["passthrough", "memgate-on", *extra]
             for name in names:
                 proc = targets[name]
                 u = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
@@ -302,8 +316,8 @@ def main() -> None:
             print(f"  turn {turns:>5} ({turns * 2:>5} messages): passthrough {cpu[0]:.2f} ms, "
                   f"memgate-on {cpu[1]:.2f} ms, memgate-on minus passthrough "
                   f"{cpu[1] - cpu[0]:.2f} ms"
-                  + (f", on+console {cpu[2]:.2f} ms (console/on {cpu[2] / cpu[1]:.2f})"
-                     if args.console else ""))
+                  + "".join(f", {t} {c:.2f} ms ({t}/on {c / cpu[1]:.2f})"
+                            for t, c in zip(extra, cpu[2:])))
         print("\ncold 1 MB history (nothing cached): time to first byte, median ms\n"
               "  (spaced: 0.5 s apart, the previous one's [mem] counting done; back to back:"
               " each\n  request meets the previous one's off-the-request-path counting)")

@@ -7,6 +7,8 @@ measured in the same run (issue #22 item 2).
     bash ../shared/bench/setup.sh     # nginx, wrk, /tmp/bench-venv, /tmp/litellm-venv
     python3.11 -m venv /tmp/headroom-venv && /tmp/headroom-venv/bin/pip install 'headroom-ai[proxy]'
     python tests/perf/bench_peers.py [--rounds 2] [--duration 4] [--warmup 1]
+    MEMGATE_BIN=... MEMGATE_BASELINE_BIN=... python tests/perf/bench_peers.py \
+        --targets direct,aiohttp-passthrough,memgate,memgate-base,litellm,headroom
 
 It drives the shared harness (`../shared/bench/run.py`, imported, not copied or edited)
 with `--custom` targets and records, around each of the harness's wrk runs, which target,
@@ -35,6 +37,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = Path(os.environ.get("MEMGATE_BENCH_DIR", ROOT.parent.parent / "shared" / "bench"))
 MEMGATE = os.environ.get("MEMGATE_BIN", "/work/main/.venv/bin/memgate")
+# another build of memgate measured beside it as `memgate-base` (e.g. the main branch's
+# while MEMGATE_BIN runs a branch's), when set
+BASELINE = os.environ.get("MEMGATE_BASELINE_BIN", "")
 HEADROOM = os.environ.get("HEADROOM_BIN", "/tmp/headroom-venv/bin/headroom")
 PAYLOADS = "small,medium,large,huge,anthropic-medium"
 TARGETS = "direct,aiohttp-passthrough,memgate,memgate-w2,litellm,headroom"
@@ -74,8 +79,9 @@ def memgate_config(where: Path) -> Path:
 
 def custom_targets(cfg: Path) -> dict[str, str]:
     """{name: command template} for the harness's --custom ({port}, {upstream})."""
-    mg = (f"MEMGATE_LOG_FORMAT=json exec {MEMGATE} serve --config {cfg} --port {{port}} "
-          f"--upstream {{upstream}} --anthropic-upstream {{upstream}}")
+    args = (f"serve --config {cfg} --port {{port}} "
+            f"--upstream {{upstream}} --anthropic-upstream {{upstream}}")
+    mg = f"MEMGATE_LOG_FORMAT=json exec {MEMGATE} {args}"
     # Headroom in its default optimizing mode (cache mode: structural compressors, CCR)
     # minus what needs a model download or a network: Kompress (ML compression), the
     # semantic cache; rate limiting (60 rpm by default) and telemetry off; its LiteLLM
@@ -92,7 +98,8 @@ def custom_targets(cfg: Path) -> dict[str, str]:
           "--openai-api-url {upstream} --anthropic-api-url {upstream} "
           + os.environ.get("HEADROOM_FLAGS", "--disable-kompress --no-cache --no-rate-limit "
                            "--no-telemetry --no-http2 --no-subscription-tracking"))
-    return {"memgate": mg, "memgate-w2": mg + " --workers 2", "headroom": hr}
+    base = {"memgate-base": f"MEMGATE_LOG_FORMAT=json exec {BASELINE} {args}"} if BASELINE else {}
+    return {"memgate": mg, "memgate-w2": mg + " --workers 2", **base, "headroom": hr}
 
 
 class Recorder:

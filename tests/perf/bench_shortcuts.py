@@ -4,7 +4,7 @@
     python -m tests.perf.bench_shortcuts [--rounds 3] [--seconds 1]
 
 Runs memgate with every shortcut on and with each one off (MEMGATE_SHORTCUTS_OFF=
-history | splice | prefilter | deferred | thread), eviction on and eviction off
+history | splice | spans | prefilter | deferred | thread), eviction on and eviction off
 (shadow), all as separate processes in front of one fixed-answer upstream, and
 measures the workloads of tests/perf/bench_gateway.py in interleaved rounds (every
 target once per round, so the shared machine's drift hits them alike):
@@ -38,7 +38,7 @@ import orjson
 
 from .bench_gateway import UPSTREAM, Proc, body, free_port, history
 
-SHORTCUTS = ("history", "splice", "prefilter", "deferred", "thread")
+SHORTCUTS = ("history", "splice", "spans", "prefilter", "deferred", "thread")
 MODES = {"on": "1", "off": "0"}  # MEMGATE_ENABLE_EVICTION (off: shadow, the shipped default)
 PAYLOADS = {"medium": 60, "large": 300}
 HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer sk-bench"}
