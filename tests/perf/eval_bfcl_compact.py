@@ -354,6 +354,7 @@ def sessions(lines: list[bytes], budget: int, cases: list[tuple[str, Any]]
             body = orjson.loads(line)
             msgs = body["messages"]
             prev: list[Any] | None = None
+            prev_orig: list[Any] = []
             for k in range(2, len(msgs) + 1):
                 if msgs[k - 1]["role"] == "assistant":
                     continue  # a request goes when the model is to answer
@@ -423,13 +424,15 @@ def main() -> None:
         return
     lines = a.payloads.read_bytes().splitlines()
     print(f"{len(lines)} payloads, budget {a.budget} tokens")
-    print(f"{'drop_unit':9} {'compact':7} {'requests':>8} {'tools':>6} {'lines':>6} {'invalid':>7} "
+    print(f"{'drop_unit':9} {'compact':7} {'requests':>8} {'tools':>6} {'lines':>6} "
+          f"{'invalid':>7} "
           f"{'over':>4} {'tokens':>6} {'compacted':>9} {'saved':>7}")
     for unit in ("turn", "group"):
         for compact in (False, True):
             r = run(lines, unit, compact, a.budget, knobs)
             print(f"{unit:9} {compact!s:7} {r['requests_kept']:8.1%} "
-                  f"{r['tool_content_kept']:6.1%} {r['tool_lines_kept']:6.1%} {r['invalid']:7} {r['over_budget']:4} "
+                  f"{r['tool_content_kept']:6.1%} {r['tool_lines_kept']:6.1%} "
+                  f"{r['invalid']:7} {r['over_budget']:4} "
                   f"{r['mean_tokens']:6.0f} {r['compacted']:9} {r['saved_tokens']:7}")
 
 
