@@ -5,8 +5,10 @@ session, no clock), so the same history compacts to the same bytes on every requ
 and replica and providers' prompt caches keep hitting. Lossless first (a JSON result
 with its whitespace removed); past the target size, excerpts that keep what an agent
 reads: head and tail lines and error lines of a text, the first and last elements of a
-long JSON list, one element of each shape, heads and tails of long strings. Every
-omission is said in the text ("[memgate: ...]"), never silent, and a text that holds
+long JSON list, one element of each shape, error-looking ones, then distinct values (a
+repeat adds nothing: the marker counts the omitted repeats of kept elements, and the
+range of omitted numbers), heads and tails of long strings. Every omission is said in
+the text ("[memgate: ...]") with its exact count, never silent, and a text that holds
 that marker is left alone, so compacting twice changes nothing.
 """
 
@@ -21,6 +23,9 @@ from typing import Any
 import orjson
 
 MARK = "[memgate: "
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_NUMBERS = frozenset({int, float})
+_CUT_SLACK = 40  # an inline marker's length: a string this much over the limit stays whole
 _ERROR = re.compile(r"error|warn|fail|exception|traceback|fatal|denied|not found", re.IGNORECASE)
 # JSON whitespace outside strings (strings matched whole, so theirs stays)
 _JSON_WS = re.compile(r'("(?:[^"\\]|\\.)*")|[ \t\n\r]+', re.DOTALL)
@@ -35,7 +40,7 @@ class CompactRules:
     head_lines: int = 12
     tail_lines: int = 6
     error_lines: int = 12  # at most this many error/warning lines from the middle
-    max_line: int = 300  # characters of one kept line (or JSON string)
+    max_line: int = 120  # characters kept of one long line (or JSON string): head + tail
     max_items: int = 8  # elements of a JSON list / members of an object kept
 
 
@@ -96,8 +101,9 @@ def _json(text: str) -> tuple[Any] | None:
 
 
 def _cut(s: str, limit: int) -> tuple[str, int]:
-    """A string's head and tail around an inline marker, and how many characters went."""
-    if len(s) <= limit:
+    """A string's head and tail around an inline marker, and how many characters went
+    (none when the marker would take about as much as it saves)."""
+    if len(s) <= limit + _CUT_SLACK:
         return s, 0
     head, tail = limit * 2 // 3, limit // 3
     gone = len(s) - head - tail
@@ -167,6 +173,9 @@ class _Shrink:
         shapes: list[Any] = ([tuple(x) if t is dict else t for x, t in zip(v, types)]
                              if dict in kinds else types)
         first = dict(zip(reversed(shapes), range(n - 1, -1, -1)))  # shape -> first index
+        # what makes elements the same: their value (a scalar as it is, tagged with its
+        # type so 1, 1.0 and True differ; anything else as its JSON)
+        same = [(t, x) if t in _SCALARS else orjson.dumps(x) for x, t in zip(v, types)]
         # the first and last elements, the first of each other shape, error-looking ones
         keep = {0, n - 1, *sorted(first.values())[: limit - 2]}
         if dict in kinds or str in kinds:
@@ -176,27 +185,39 @@ class _Shrink:
                 if i not in keep and types[i] in (dict, str) and _ERROR.search(
                         orjson.dumps(v[i]).decode()):
                     keep.add(i)
-        for i in range(n):  # the rest of the room: the head
+        # the rest of the room: the head's distinct values (a repeat says nothing new:
+        # the markers count the repeats of kept elements)
+        seen = {same[i] for i in keep}
+        for i in range(n):
             if len(keep) >= limit:
                 break
-            keep.add(i)
+            if same[i] not in seen:
+                keep.add(i)
+                seen.add(same[i])
         out: list[Any] = []
         prev = -1
         for i in sorted(keep):
             if i > prev + 1:
-                out.append(self._gap(shapes, first, prev + 1, i))
+                out.append(self._gap(v, types, shapes, same, first, seen, prev + 1, i))
             out.append(self.value(v[i]))
             prev = i
         return out
 
-    def _gap(self, shapes: list[Any], first: dict[Any, int], a: int, b: int) -> str:
-        """The marker for elements a..b-1 omitted."""
+    def _gap(self, v: list[Any], types: list[type], shapes: list[Any], same: list[Any],
+             first: dict[Any, int], seen: set[Any], a: int, b: int) -> str:
+        """The marker for elements a..b-1 omitted: how many; how many of them repeat a
+        kept element; their shared keys, or the range of omitted numbers."""
         self.items += b - a
+        said = [f"{MARK}{b - a:,} elements omitted"]
+        repeats = sum(x in seen for x in same[a:b])
+        if repeats:
+            said.append(f"{repeats:,} of them repeats of kept elements")
         alike = set(shapes[a:b])
         if len(alike) == 1 and type(shape := alike.pop()) is tuple:
-            return (f"{MARK}{b - a:,} elements omitted, with the keys of element "
-                    f"{first[shape]}]")
-        return f"{MARK}{b - a:,} elements omitted]"
+            said.append(f"with the keys of element {first[shape]}")
+        elif repeats < b - a and set(types[a:b]) <= _NUMBERS:
+            said.append(f"numbers from {min(v[a:b])!r} to {max(v[a:b])!r}")
+        return ", ".join(said) + "]"
 
     def _object(self, v: dict[str, Any]) -> dict[str, Any]:
         names = list(v)
