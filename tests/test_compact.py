@@ -499,7 +499,8 @@ def test_every_omission_is_marked_with_its_exact_count(value: Any, indent: int |
     out = compact_text(text, TIGHT)
     if out is None:
         return
-    assert compact_text(text, TIGHT) == out  # the same bytes every time
+    from gateway.policy.compact import _compact_text
+    assert _compact_text(text, TIGHT, None) == out  # the same bytes every time (not the memo)
     assert compact_text(out, TIGHT) is None  # idempotent
     if MARK not in out:  # lossless: the same value, whitespace removed
         assert orjson.loads(out) == orjson.loads(text)
@@ -525,3 +526,50 @@ def test_every_omitted_line_is_counted(lines: list[str]) -> None:
     m = re.search(r"([\d,]+) of ([\d,]+) lines omitted", trailer)
     assert m is not None and _n(m[2]) == len(text.splitlines())
     assert _n(m[1]) == sum(_n(x[1]) for ln in body.split("\n") if (x := _LINES.fullmatch(ln)))
+
+
+def test_max_line_is_a_config_key_with_a_floor() -> None:
+    from gateway.errors import RulesError
+
+    def load(v: Any) -> Any:
+        return build_rules({"memory": {"eviction": {"compact": {"max_line": v}}},
+                            "tokens": {"models_file": str(ROOT / "rules" / "models.yaml")}},
+                           base_dir=ROOT)
+    assert load(200).memory.eviction.compact.max_line == 200
+    with pytest.raises(RulesError, match="max_line"):
+        load(10)  # shorter than the marker that would replace the rest
+    text = json.dumps({"s": "y" * 1000, "t": "z" * 150})
+    for limit in (40, 120, 300):
+        out = compact_text(text, replace_rules(max_line=limit, target_chars=200, min_chars=100))
+        assert out is not None
+        kept = orjson.loads(out.rsplit("\n", 1)[0])
+        assert kept["s"].startswith("y" * (limit * 2 // 3) + " [memgate: ")
+        # a string barely over the limit stays whole: its marker would save nothing
+        assert (kept["t"] == "z" * 150) == (150 <= limit + 40)
+
+
+def test_compacted_forms_are_remembered_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request of a session resends the same old results: each is compacted once,
+    the memo gives the same bytes, and it holds at most _MEMO_LIMIT characters."""
+    from collections import OrderedDict
+
+    import gateway.policy.compact as compact
+    monkeypatch.setattr(compact, "_MEMO", OrderedDict())
+    monkeypatch.setattr(compact, "_memo_chars", 0)
+    monkeypatch.setattr(compact, "_MEMO_LIMIT", 20_000)
+    calls: list[str] = []
+    real = compact._compact_text
+
+    def counted(text: str, rules: CompactRules, archived_as: str | None) -> str | None:
+        calls.append(text)
+        return real(text, rules, archived_as)
+    monkeypatch.setattr(compact, "_compact_text", counted)
+    texts = [json.dumps(rows(40 + k)) for k in range(12)]  # ~3,000-4,000 characters each
+    first = [compact_text(t, R) for t in texts]
+    assert len(calls) == 12
+    again = [compact_text("".join(t), R) for t in texts[-3:]]  # equal, not the same object
+    assert again == first[-3:] and len(calls) == 12  # remembered: not compacted again
+    assert compact_text(texts[-1], R, "cmp-x") != first[-1]  # the marker differs
+    assert compact._memo_chars == sum(len(k[0]) for k in compact._MEMO) <= 20_000
+    assert compact_text(texts[0], R) == first[0]  # evicted long ago: compacted again
+    assert len(calls) == 14

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +28,8 @@ MARK = "[memgate: "
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 _NUMBERS = frozenset({int, float})
 _CUT_SLACK = 40  # an inline marker's length: a string this much over the limit stays whole
-_ERROR = re.compile(r"error|warn|fail|exception|traceback|fatal|denied|not found", re.IGNORECASE)
+_WORDS = ("error", "warn", "fail", "exception", "traceback", "fatal", "denied", "not found")
+_ERROR = re.compile("|".join(_WORDS), re.IGNORECASE)
 # JSON whitespace outside strings (strings matched whole, so theirs stays)
 _JSON_WS = re.compile(r'("(?:[^"\\]|\\.)*")|[ \t\n\r]+', re.DOTALL)
 
@@ -63,12 +66,43 @@ def archive_id(tenant: str, text: str) -> str:
     return "cmp-" + digest.hexdigest()[:32]
 
 
+_MISS = object()
+_MEMO: OrderedDict[tuple[str, CompactRules, str | None], str | None] = OrderedDict()
+_MEMO_LIMIT = 8_000_000  # characters of the results whose compacted forms are remembered
+_memo_chars = 0
+_memo_lock = threading.Lock()
+
+
 def compact_text(text: str, rules: CompactRules, archived_as: str | None = None) -> str | None:
     """The compacted form of a tool result's text, or None: left as it is (short,
     already compacted, or nothing to gain). `archived_as`: the id its original is
-    archived under, said in the marker (None: not archived)."""
+    archived under, said in the marker (None: not archived).
+
+    A function of its arguments, so it is remembered (least recently used first out,
+    up to _MEMO_LIMIT characters of results): every request of a session resends the
+    same old results, and only the new ones are compacted."""
+    global _memo_chars
     if len(text) < rules.min_chars or MARK in text:
         return None
+    key = (text, rules, archived_as)
+    with _memo_lock:
+        hit = _MEMO.get(key, _MISS)
+        if hit is not _MISS:
+            _MEMO.move_to_end(key)
+            return hit  # type: ignore[return-value]
+    out = _compact_text(text, rules, archived_as)
+    if len(text) <= _MEMO_LIMIT // 4:
+        with _memo_lock:
+            if key not in _MEMO:
+                _MEMO[key] = out
+                _memo_chars += len(text)
+                while _memo_chars > _MEMO_LIMIT:
+                    old, _ = _MEMO.popitem(last=False)
+                    _memo_chars -= len(old[0])
+    return out
+
+
+def _compact_text(text: str, rules: CompactRules, archived_as: str | None) -> str | None:
     value = _json(text)
     if value is not None:
         ws = sum(map(text.count, " \n\t\r"))  # minifying removes at most these
@@ -98,6 +132,15 @@ def _json(text: str) -> tuple[Any] | None:
         return (orjson.loads(text),)
     except orjson.JSONDecodeError:
         return None
+
+
+def _may_hold_error(text: str) -> bool:
+    """Could _ERROR match somewhere in text? Exact for ASCII, by str's own search (the
+    regex is slow over megabytes); True otherwise (the regex decides)."""
+    if not text.isascii():
+        return True
+    low = text.lower()
+    return any(w in low for w in _WORDS)
 
 
 def _cut(s: str, limit: int) -> tuple[str, int]:
@@ -174,11 +217,17 @@ class _Shrink:
                              if dict in kinds else types)
         first = dict(zip(reversed(shapes), range(n - 1, -1, -1)))  # shape -> first index
         # what makes elements the same: their value (a scalar as it is, tagged with its
-        # type so 1, 1.0 and True differ; anything else as its JSON)
-        same = [(t, x) if t in _SCALARS else orjson.dumps(x) for x, t in zip(v, types)]
+        # type so 1, 1.0 and True differ, unless the list has one type; anything else
+        # as its JSON)
+        if len(kinds) == 1 and types[0] in _SCALARS:
+            same: list[Any] = v
+        else:
+            same = [(t, x) if t in _SCALARS else orjson.dumps(x) for x, t in zip(v, types)]
         # the first and last elements, the first of each other shape, error-looking ones
+        # (looked for one by one only when the whole list has one: no pattern spans
+        # two elements)
         keep = {0, n - 1, *sorted(first.values())[: limit - 2]}
-        if dict in kinds or str in kinds:
+        if (dict in kinds or str in kinds) and _may_hold_error(orjson.dumps(v).decode()):
             for i in range(n):
                 if len(keep) >= limit:
                     break
@@ -209,7 +258,7 @@ class _Shrink:
         kept element; their shared keys, or the range of omitted numbers."""
         self.items += b - a
         said = [f"{MARK}{b - a:,} elements omitted"]
-        repeats = sum(x in seen for x in same[a:b])
+        repeats = sum(map(seen.__contains__, same[a:b]))
         if repeats:
             said.append(f"{repeats:,} of them repeats of kept elements")
         alike = set(shapes[a:b])
