@@ -1,6 +1,7 @@
 """What eviction keeps of agent traffic: BFCL long-context payloads through `decide`.
 
     python -m tests.perf.eval_bfcl_compact [--payloads PATH] [--budget 4000]
+        [--compact JSON] [--oracle | --sessions]
 
 Per configuration (drop_unit turn / group, with and without compact_tools), over the
 history before each payload's current turn:
@@ -14,11 +15,17 @@ history before each payload's current turn:
   original (a compacted tool result counts as its original) but for the recalled
   history moved, in its own order, after the stable part;
 - over: requests over the budget although system + tools + current turn fit.
+"lines" is the line-level variant of the tool measure (`line_leaves`): a multi-line
+string leaf counts as its lines. Both are printed; neither replaces the other.
+
+With --oracle: upper bounds of both measures at the budget (see `oracle`), and the
+payloads whose earlier requests cannot all fit beside the floor.
 
 With --sessions: each conversation replayed as a growing session (a request at every
-point the model answers, resending the history so far, tools first), bytes sent and
-bytes outside the prefix shared with the session's previous request, cost = uncached
-+ 0.1 x cached, in millions of tokens at 4 bytes a token (a proxy: no tokenizer).
+point the model is to answer, resending the history so far, tools first): tokens sent
+(the gateway's counter), tokens outside the messages shared with the session's previous
+request ("uncached"), cost = uncached + 0.1 x cached, against no eviction, and the lower
+bound no policy beats (see `sessions`).
 """
 
 from __future__ import annotations
