@@ -68,7 +68,7 @@ def _memory(m: Memory, carry_path: str | None) -> dict[str, Any]:
             **_fields(e, "order", "keep_pinned", "max_pinned", "drop_unit", "on_over_budget",
                       "low_water", "move_cache_marker", "recall_share"),
             "compact": _fields(e.compact, "min_chars", "keep_recent", "exclude_tools",
-                               "target_chars"),
+                               "target_chars", "max_line"),
         },
         "markers": _fields(m.markers, "system_prefix", "min_score", "on_bad_metadata"),
     }

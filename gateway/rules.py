@@ -292,7 +292,7 @@ SECTIONS: dict[str, frozenset[str]] = {
                                   "on_over_budget", "low_water", "move_cache_marker",
                                   "compact", "recall_share"}),
     "memory.eviction.compact": frozenset({"min_chars", "keep_recent", "exclude_tools",
-                                          "target_chars"}),
+                                          "target_chars", "max_line"}),
     "memory.markers": frozenset({"system_prefix", "min_score", "on_bad_metadata"}),
     "memory.carry": frozenset({"enabled", "keep_fields", "drop_when", "ref_ttl_turns",
                                "log_skipped", "rules_file", "max_note_chars"}),
@@ -563,6 +563,7 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | 
         keep_recent=r.get(cs, ck, "keep_recent", _int(0), dc.keep_recent),
         exclude_tools=r.get(cs, ck, "exclude_tools", _str_list, dc.exclude_tools),
         target_chars=r.get(cs, ck, "target_chars", _int(200), dc.target_chars),
+        max_line=r.get(cs, ck, "max_line", _int(40), dc.max_line),
     )
     eviction = Eviction(
         order=r.get(e, "memory.eviction", "order", _order, de.order),

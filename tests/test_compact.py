@@ -399,3 +399,177 @@ def test_one_long_agent_turn_over_budget_is_compacted() -> None:
     assert d.plan is not None and not d.plan.dropped and not d.plan.over_budget
     assert sorted(d.compacted) == [2, 4, 6]  # the newest result stays whole
     assert orjson.loads(d.forward)["messages"][8] == items[8]
+
+
+# --- every omission accounted for (property) -------------------------------------
+
+TIGHT = CompactRules(min_chars=60, target_chars=40, head_lines=3, tail_lines=2, error_lines=2,
+                     max_line=30, max_items=4)
+_GAP = re.compile(r"\[memgate: (?P<n>[\d,]+) elements omitted(, (?P<rep>[\d,]+) of them "
+                  r"repeats of kept elements)?(, with the keys of element \d+|, numbers from "
+                  r".+ to .+)?\]")
+_LINES = re.compile(r"\[memgate: ([\d,]+) lines omitted\]")
+_CHARS = re.compile(r"(.*) \[memgate: ([\d,]+) characters omitted\] (.*)", re.DOTALL)
+
+
+def _n(s: str) -> int:
+    return int(s.replace(",", ""))
+
+
+def _line_ok(orig: str, kept: str) -> bool:
+    if kept == orig:
+        return True
+    m = _CHARS.fullmatch(kept)
+    return bool(m and orig.startswith(m[1]) and orig.endswith(m[3])
+                and len(m[1]) + _n(m[2]) + len(m[3]) == len(orig))
+
+
+def _lines_accounted(orig: str, kept: str) -> bool:
+    """Each kept line is the original's (or its head and tail around a count), in order,
+    and each run of omitted lines is a marker with its exact count."""
+    src, j = orig.splitlines(), 0
+    for line in kept.split("\n"):
+        if m := _LINES.fullmatch(line):
+            j += _n(m[1])
+        elif j < len(src) and _line_ok(src[j], line):
+            j += 1
+        else:
+            return False
+    return j == len(src)
+
+
+def _same(x: Any) -> Any:
+    return (type(x), x) if not isinstance(x, list | dict) else orjson.dumps(x)
+
+
+def _accounted(orig: Any, kept: Any) -> bool:
+    """`kept` is `orig` with every omission marked and counted exactly."""
+    if isinstance(orig, list):
+        if not isinstance(kept, list):
+            return False
+        j, gaps, kept_here = 0, [], []
+        for x in kept:
+            if isinstance(x, str) and (m := _GAP.fullmatch(x)):
+                gaps.append((orig[j:j + _n(m["n"])], m["rep"]))
+                j += _n(m["n"])
+            elif j < len(orig) and _accounted(orig[j], x):
+                kept_here.append(_same(orig[j]))
+                j += 1
+            else:
+                return False
+        # a gap's repeats are exactly its elements equal to one kept from this list
+        return j == len(orig) and all(
+            sum(_same(g) in kept_here for g in gone) == (_n(rep) if rep else 0)
+            for gone, rep in gaps)
+    if isinstance(orig, dict):
+        if not isinstance(kept, dict):
+            return False
+        gone = 0
+        if "[memgate]" in kept:
+            m = re.fullmatch(r"\[memgate: ([\d,]+) members omitted\]", kept["[memgate]"])
+            if m is None:
+                return False
+            gone = _n(m[1])
+        names = [k for k in kept if k != "[memgate]"]
+        return (len(names) + gone == len(orig) and all(k in orig for k in names)
+                and all(_accounted(orig[k], kept[k]) for k in names))
+    if isinstance(orig, str) and isinstance(kept, str) and "\n" in kept and kept != orig:
+        return _lines_accounted(orig, kept)
+    if isinstance(orig, str) and isinstance(kept, str):
+        return _line_ok(orig, kept)
+    return bool(orig == kept and type(orig) is type(kept))
+
+
+_text = st.text(st.sampled_from("ab é\n:ERROR x"), max_size=90)
+_scalar = st.one_of(st.integers(-5, 5), st.floats(-3, 3, allow_nan=False), st.booleans(),
+                    st.none(), _text, st.sampled_from(["ok", "ok", "fail"]))
+_json_value = st.recursive(
+    _scalar, lambda inner: st.one_of(
+        st.lists(inner, max_size=14),
+        st.dictionaries(st.sampled_from(["id", "name", "status", "v", "w", "x", "y"]),
+                        inner, max_size=7)),
+    max_leaves=60)
+
+
+@given(value=st.one_of(_json_value, st.lists(st.dictionaries(
+           st.sampled_from(["id", "status"]), _scalar, min_size=1), min_size=5, max_size=30)),
+       indent=st.sampled_from([None, 1]))
+def test_every_omission_is_marked_with_its_exact_count(value: Any, indent: int | None) -> None:
+    text = json.dumps(value, indent=indent, ensure_ascii=False)
+    out = compact_text(text, TIGHT)
+    if out is None:
+        return
+    from gateway.policy.compact import _compact_text
+    assert _compact_text(text, TIGHT, None) == out  # the same bytes every time (not the memo)
+    assert compact_text(out, TIGHT) is None  # idempotent
+    if MARK not in out:  # lossless: the same value, whitespace removed
+        assert orjson.loads(out) == orjson.loads(text)
+        return
+    body, trailer = out.rsplit("\n", 1)
+    m = re.fullmatch(r"\[memgate: compacted tool result, ([\d,]+) characters: .+; ([\d,]+) "
+                     r"characters omitted; not archived\]", trailer)
+    assert m is not None and _n(m[1]) == len(text) and _n(m[2]) == len(text) - len(body)
+    kept = orjson.loads(body)
+    assert _accounted(value, kept), body
+
+
+@given(lines=st.lists(st.sampled_from(["ok", "step done", "ERROR disk", "warn: slow", "",
+                                       "x" * 70]), min_size=1, max_size=60))
+def test_every_omitted_line_is_counted(lines: list[str]) -> None:
+    text = "\n".join(lines)
+    out = compact_text(text, TIGHT)
+    if out is None:
+        return
+    assert compact_text(out, TIGHT) is None
+    body, trailer = out.rsplit("\n", 1)
+    assert _lines_accounted(text, body), body
+    m = re.search(r"([\d,]+) of ([\d,]+) lines omitted", trailer)
+    assert m is not None and _n(m[2]) == len(text.splitlines())
+    assert _n(m[1]) == sum(_n(x[1]) for ln in body.split("\n") if (x := _LINES.fullmatch(ln)))
+
+
+def test_max_line_is_a_config_key_with_a_floor() -> None:
+    from gateway.errors import RulesError
+
+    def load(v: Any) -> Any:
+        return build_rules({"memory": {"eviction": {"compact": {"max_line": v}}},
+                            "tokens": {"models_file": str(ROOT / "rules" / "models.yaml")}},
+                           base_dir=ROOT)
+    assert load(200).memory.eviction.compact.max_line == 200
+    with pytest.raises(RulesError, match="max_line"):
+        load(10)  # shorter than the marker that would replace the rest
+    text = json.dumps({"s": "y" * 1000, "t": "z" * 150})
+    for limit in (40, 120, 300):
+        out = compact_text(text, replace_rules(max_line=limit, target_chars=200, min_chars=100))
+        assert out is not None
+        kept = orjson.loads(out.rsplit("\n", 1)[0])
+        assert kept["s"].startswith("y" * (limit * 2 // 3) + " [memgate: ")
+        # a string barely over the limit stays whole: its marker would save nothing
+        assert (kept["t"] == "z" * 150) == (150 <= limit + 40)
+
+
+def test_compacted_forms_are_remembered_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request of a session resends the same old results: each is compacted once,
+    the memo gives the same bytes, and it holds at most _MEMO_LIMIT characters."""
+    from collections import OrderedDict
+
+    import gateway.policy.compact as compact
+    monkeypatch.setattr(compact, "_MEMO", OrderedDict())
+    monkeypatch.setattr(compact, "_memo_chars", 0)
+    monkeypatch.setattr(compact, "_MEMO_LIMIT", 20_000)
+    calls: list[str] = []
+    real = compact._compact_text
+
+    def counted(text: str, rules: CompactRules, archived_as: str | None) -> str | None:
+        calls.append(text)
+        return real(text, rules, archived_as)
+    monkeypatch.setattr(compact, "_compact_text", counted)
+    texts = [json.dumps(rows(40 + k)) for k in range(12)]  # ~3,000-4,000 characters each
+    first = [compact_text(t, R) for t in texts]
+    assert len(calls) == 12
+    again = [compact_text("".join(t), R) for t in texts[-3:]]  # equal, not the same object
+    assert again == first[-3:] and len(calls) == 12  # remembered: not compacted again
+    assert compact_text(texts[-1], R, "cmp-x") != first[-1]  # the marker differs
+    assert compact._memo_chars == sum(len(k[0]) for k in compact._MEMO) <= 20_000
+    assert compact_text(texts[0], R) == first[0]  # evicted long ago: compacted again
+    assert len(calls) == 14

@@ -5,8 +5,10 @@ session, no clock), so the same history compacts to the same bytes on every requ
 and replica and providers' prompt caches keep hitting. Lossless first (a JSON result
 with its whitespace removed); past the target size, excerpts that keep what an agent
 reads: head and tail lines and error lines of a text, the first and last elements of a
-long JSON list, one element of each shape, heads and tails of long strings. Every
-omission is said in the text ("[memgate: ...]"), never silent, and a text that holds
+long JSON list, one element of each shape, error-looking ones, then distinct values (a
+repeat adds nothing: the marker counts the omitted repeats of kept elements, and the
+range of omitted numbers), heads and tails of long strings. Every omission is said in
+the text ("[memgate: ...]") with its exact count, never silent, and a text that holds
 that marker is left alone, so compacting twice changes nothing.
 """
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +25,11 @@ from typing import Any
 import orjson
 
 MARK = "[memgate: "
-_ERROR = re.compile(r"error|warn|fail|exception|traceback|fatal|denied|not found", re.IGNORECASE)
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_NUMBERS = frozenset({int, float})
+_CUT_SLACK = 40  # an inline marker's length: a string this much over the limit stays whole
+_WORDS = ("error", "warn", "fail", "exception", "traceback", "fatal", "denied", "not found")
+_ERROR = re.compile("|".join(_WORDS), re.IGNORECASE)
 # JSON whitespace outside strings (strings matched whole, so theirs stays)
 _JSON_WS = re.compile(r'("(?:[^"\\]|\\.)*")|[ \t\n\r]+', re.DOTALL)
 
@@ -35,7 +43,7 @@ class CompactRules:
     head_lines: int = 12
     tail_lines: int = 6
     error_lines: int = 12  # at most this many error/warning lines from the middle
-    max_line: int = 300  # characters of one kept line (or JSON string)
+    max_line: int = 120  # characters kept of one long line (or JSON string): head + tail
     max_items: int = 8  # elements of a JSON list / members of an object kept
 
 
@@ -58,12 +66,43 @@ def archive_id(tenant: str, text: str) -> str:
     return "cmp-" + digest.hexdigest()[:32]
 
 
+_MISS = object()
+_MEMO: OrderedDict[tuple[str, CompactRules, str | None], str | None] = OrderedDict()
+_MEMO_LIMIT = 8_000_000  # characters of the results whose compacted forms are remembered
+_memo_chars = 0
+_memo_lock = threading.Lock()
+
+
 def compact_text(text: str, rules: CompactRules, archived_as: str | None = None) -> str | None:
     """The compacted form of a tool result's text, or None: left as it is (short,
     already compacted, or nothing to gain). `archived_as`: the id its original is
-    archived under, said in the marker (None: not archived)."""
+    archived under, said in the marker (None: not archived).
+
+    A function of its arguments, so it is remembered (least recently used first out,
+    up to _MEMO_LIMIT characters of results): every request of a session resends the
+    same old results, and only the new ones are compacted."""
+    global _memo_chars
     if len(text) < rules.min_chars or MARK in text:
         return None
+    key = (text, rules, archived_as)
+    with _memo_lock:
+        hit = _MEMO.get(key, _MISS)
+        if hit is not _MISS:
+            _MEMO.move_to_end(key)
+            return hit  # type: ignore[return-value]
+    out = _compact_text(text, rules, archived_as)
+    if len(text) <= _MEMO_LIMIT // 4:
+        with _memo_lock:
+            if key not in _MEMO:
+                _MEMO[key] = out
+                _memo_chars += len(text)
+                while _memo_chars > _MEMO_LIMIT:
+                    old, _ = _MEMO.popitem(last=False)
+                    _memo_chars -= len(old[0])
+    return out
+
+
+def _compact_text(text: str, rules: CompactRules, archived_as: str | None) -> str | None:
     value = _json(text)
     if value is not None:
         ws = sum(map(text.count, " \n\t\r"))  # minifying removes at most these
@@ -95,9 +134,19 @@ def _json(text: str) -> tuple[Any] | None:
         return None
 
 
+def _may_hold_error(text: str) -> bool:
+    """Could _ERROR match somewhere in text? Exact for ASCII, by str's own search (the
+    regex is slow over megabytes); True otherwise (the regex decides)."""
+    if not text.isascii():
+        return True
+    low = text.lower()
+    return any(w in low for w in _WORDS)
+
+
 def _cut(s: str, limit: int) -> tuple[str, int]:
-    """A string's head and tail around an inline marker, and how many characters went."""
-    if len(s) <= limit:
+    """A string's head and tail around an inline marker, and how many characters went
+    (none when the marker would take about as much as it saves)."""
+    if len(s) <= limit + _CUT_SLACK:
         return s, 0
     head, tail = limit * 2 // 3, limit // 3
     gone = len(s) - head - tail
@@ -167,36 +216,57 @@ class _Shrink:
         shapes: list[Any] = ([tuple(x) if t is dict else t for x, t in zip(v, types)]
                              if dict in kinds else types)
         first = dict(zip(reversed(shapes), range(n - 1, -1, -1)))  # shape -> first index
+        # what makes elements the same: their value (a scalar as it is, tagged with its
+        # type so 1, 1.0 and True differ, unless the list has one type; anything else
+        # as its JSON)
+        if len(kinds) == 1 and types[0] in _SCALARS:
+            same: list[Any] = v
+        else:
+            same = [(t, x) if t in _SCALARS else orjson.dumps(x) for x, t in zip(v, types)]
         # the first and last elements, the first of each other shape, error-looking ones
+        # (looked for one by one only when the whole list has one: no pattern spans
+        # two elements)
         keep = {0, n - 1, *sorted(first.values())[: limit - 2]}
-        if dict in kinds or str in kinds:
+        if (dict in kinds or str in kinds) and _may_hold_error(orjson.dumps(v).decode()):
             for i in range(n):
                 if len(keep) >= limit:
                     break
                 if i not in keep and types[i] in (dict, str) and _ERROR.search(
                         orjson.dumps(v[i]).decode()):
                     keep.add(i)
-        for i in range(n):  # the rest of the room: the head
+        # the rest of the room: the head's distinct values (a repeat says nothing new:
+        # the markers count the repeats of kept elements)
+        seen = {same[i] for i in keep}
+        for i in range(n):
             if len(keep) >= limit:
                 break
-            keep.add(i)
+            if same[i] not in seen:
+                keep.add(i)
+                seen.add(same[i])
         out: list[Any] = []
         prev = -1
         for i in sorted(keep):
             if i > prev + 1:
-                out.append(self._gap(shapes, first, prev + 1, i))
+                out.append(self._gap(v, types, shapes, same, first, seen, prev + 1, i))
             out.append(self.value(v[i]))
             prev = i
         return out
 
-    def _gap(self, shapes: list[Any], first: dict[Any, int], a: int, b: int) -> str:
-        """The marker for elements a..b-1 omitted."""
+    def _gap(self, v: list[Any], types: list[type], shapes: list[Any], same: list[Any],
+             first: dict[Any, int], seen: set[Any], a: int, b: int) -> str:
+        """The marker for elements a..b-1 omitted: how many; how many of them repeat a
+        kept element; their shared keys, or the range of omitted numbers."""
         self.items += b - a
+        said = [f"{MARK}{b - a:,} elements omitted"]
+        repeats = sum(map(seen.__contains__, same[a:b]))
+        if repeats:
+            said.append(f"{repeats:,} of them repeats of kept elements")
         alike = set(shapes[a:b])
         if len(alike) == 1 and type(shape := alike.pop()) is tuple:
-            return (f"{MARK}{b - a:,} elements omitted, with the keys of element "
-                    f"{first[shape]}]")
-        return f"{MARK}{b - a:,} elements omitted]"
+            said.append(f"with the keys of element {first[shape]}")
+        elif repeats < b - a and set(types[a:b]) <= _NUMBERS:
+            said.append(f"numbers from {min(v[a:b])!r} to {max(v[a:b])!r}")
+        return ", ".join(said) + "]"
 
     def _object(self, v: dict[str, Any]) -> dict[str, Any]:
         names = list(v)

@@ -36,11 +36,14 @@ from gateway.tokens import Tokenizers
 from tests.perf.shared_data import default_data_dir, require
 
 ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ["pinned", "recent_turns", "compact_tools", "length"]  # rules/gateway.yaml's order
 POLICIES: list[tuple[str, dict[str, Any]]] = [
     ("today: drop_unit turn, no fill", {"drop_unit": "turn", "recall_share": 0.0}),
     ("today: drop_unit group, no fill", {"drop_unit": "group", "recall_share": 0.0}),
     ("fill: drop_unit turn, shipped share", {"drop_unit": "turn"}),
     ("fill: drop_unit group, shipped share", {"drop_unit": "group"}),
+    ("shipped order (compact_tools): drop_unit turn", {"drop_unit": "turn", "order": SHIPPED}),
+    ("shipped order (compact_tools): drop_unit group", {"drop_unit": "group", "order": SHIPPED}),
 ]
 
 
