@@ -86,6 +86,8 @@ def session(draw: st.DrawFn) -> tuple[str, list[bytes]]:
 @st.composite
 def rules_section(draw: st.DrawFn) -> dict[str, Any]:
     memory = draw(memory_rules())
+    if draw(st.booleans()):  # a turn cap that cuts (and old pins it passes over)
+        memory["budget"]["max_turns"] = draw(st.integers(1, 4))
     if draw(st.booleans()):  # compaction before the length stage, as shipped
         order = memory["eviction"]["order"]
         order.insert(order.index("length"), "compact_tools")

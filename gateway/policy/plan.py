@@ -8,6 +8,7 @@ needs, so a history that clearly fits is never tokenized on the request path.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import operator
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
@@ -176,6 +177,9 @@ class _State:
     first_current: int = 0  # the first group of the current turn
     # (k, stage): groups[:k] all dropped by `stage` in one stroke (the recent-turns cap)
     dropped_prefix: tuple[int, str] = (0, "")
+    # (k, kept): groups[:k] all dropped by the recent-turns cap but `kept`, which an
+    # earlier stage kept (pins; recallscan)
+    capped: tuple[int, tuple[int, ...]] = (0, ())
     turn_costs: dict[int, Cost] = field(default_factory=dict)  # cost of a turn's open groups
     tokens_key: Any = None  # see plan()
 
@@ -332,11 +336,20 @@ def keep_recent_turns(st: _State) -> None:
     # groups are in turn order: the first k are the turns the cap drops
     k = bisect.bisect_left(st.conv.groups, oldest_allowed, key=lambda grp: grp.turn)
     mark = _mark(DROP, "recent_turns")
-    if any(decision[:k]):  # some kept by an earlier stage (pins)
-        decision[:k] = [mark if d is None else d for d in decision[:k]]
-    else:
+    if not any(decision[:k]):
         decision[:k] = [mark] * k
         st.dropped_prefix = (k, "recent_turns")
+        st.capped = (k, ())
+    elif "recallscan" in st.rules.shortcuts_off:  # some kept by an earlier stage (pins)
+        decision[:k] = [mark if d is None else d for d in decision[:k]]
+    else:  # the few an earlier stage decided found at C speed, the rest dropped at once
+        head = decision[:k]
+        decided = list(itertools.compress(range(k), head))
+        decision[:k] = [mark] * k
+        for g in decided:
+            decision[g] = head[g]
+        if all((d := head[g]) is not None and d[0] == KEEP for g in decided):
+            st.capped = (k, tuple(decided))
 
 
 def fit_length_budget(st: _State) -> None:
@@ -571,7 +584,8 @@ def _run_stages(
 def _drops(st: _State) -> bool:
     """Did a stage drop anything? (a C-level search for each drop mark: every decision
     is one of the _MARKS objects)"""
-    if st.dropped_prefix[0]:
+    k, kept = st.capped
+    if st.dropped_prefix[0] or k > len(kept):
         return True
     decision = st.decision
     return any(m in decision for (kind, _), m in list(_MARKS.items()) if kind == DROP)
@@ -592,7 +606,7 @@ def _fork(st: _State, lim: Limits, turn_costs: dict[int, Cost]) -> _State:
         messages_used=st.messages_used, anchors=st.anchors, group_tokens=st.group_tokens,
         pinned_overflow=st.pinned_overflow, fill_fallback=st.fill_fallback,
         max_tokens=max_tokens, max_chars=max_chars, max_messages=max_messages,
-        first_current=st.first_current, dropped_prefix=st.dropped_prefix,
+        first_current=st.first_current, dropped_prefix=st.dropped_prefix, capped=st.capped,
         turn_costs=turn_costs, tokens_key=st.tokens_key,
     )
 
@@ -659,7 +673,8 @@ def _planned(base: _State, lim: Limits, stable: Limits, recall: bool, overhead_t
     hit = entries.get(key)
     if hit is not None:
         (decision, counts, base.tokens_used, base.chars_used, base.messages_used,
-         base.pinned_overflow, base.fill_fallback, base.dropped_prefix, fill) = hit
+         base.pinned_overflow, base.fill_fallback, base.dropped_prefix, base.capped,
+         fill) = hit
         base.decision[:fc] = decision
         base.group_tokens[:fc] = counts
         if fill:
@@ -670,7 +685,7 @@ def _planned(base: _State, lim: Limits, stable: Limits, recall: bool, overhead_t
         entries.clear()
     entries[key] = (st.decision[:fc], st.group_tokens[:fc], st.tokens_used, st.chars_used,
                     st.messages_used, st.pinned_overflow, st.fill_fallback, st.dropped_prefix,
-                    fill)
+                    st.capped, fill)
     return st, fill
 
 
@@ -704,8 +719,10 @@ def _eligible(st: _State, end: int) -> Container[int]:
         return _Eligible(st, end)
     groups, decision = st.conv.groups, st.decision
     lo = bisect.bisect_left(groups, 1, 0, end, key=lambda grp: grp.turn)  # past turn 0
-    k = min(st.dropped_prefix[0], end)
+    k, kept = st.capped
+    k = min(k, end)
     out = set(range(lo, k))
+    out.difference_update(kept)
     out.update(g for g in range(max(lo, k), end)
                if (d := decision[g]) is not None and d[0] == DROP)
     return out
@@ -832,7 +849,7 @@ def plan(
     stable = _share(lim, 1.0 - rules.recall_share) if recall else lim
     base = _start(conv, rules, lim, tokens_of, overhead_tokens, tokens_key)
     st, fill = _planned(base, lim, stable, recall, overhead_tokens)
-    prefix = st.dropped_prefix
+    capped = st.capped  # before the fill brings any of it back
     if fill:
         assert text_of is not None
         st.max_tokens, st.max_chars, st.max_messages = _caps(lim)
@@ -843,23 +860,25 @@ def plan(
     skip, stage = st.dropped_prefix
     if skip:  # a long dropped prefix is one run, not a walk over its groups
         run_mark = _mark(DROP, stage)
-    elif prefix[0] and "recallscan" not in rules.shortcuts_off:
-        # the fill brought groups of the dropped prefix back: the prefix is runs between
-        # them, found by a search for the fill's mark, not a walk over every group
-        skip, stage = prefix
-        run_mark = _mark(DROP, stage)
+    elif capped[0] and "recallscan" not in rules.shortcuts_off:
+        # the groups the cap dropped, but those an earlier stage kept (pins) and those
+        # the fill brought back (found by a search for its mark, not a walk over every
+        # group): runs between them
+        skip, stage = capped[0], "recent_turns"
         back, g = _mark(KEEP, "recalled"), -1
+        apart = set(capped[1])
         while True:
             try:
                 g = st.decision.index(back, g + 1, skip)
             except ValueError:
                 break
-            if run_mark is not None and run_start < g:
+            apart.add(g)
+        for g in sorted(apart):
+            if run_start < g:
                 runs.append((run_start, g, stage))
             kept_groups.append(g)
-            run_start, run_mark = g + 1, _mark(DROP, stage)
-        if run_start == skip:  # the prefix ended with a recalled group
-            run_mark = None
+            run_start = g + 1
+        run_mark = _mark(DROP, stage) if run_start < skip else None
     for g in range(skip, len(groups)):
         d = st.decision[g]
         if d is not run_mark:
