@@ -20,7 +20,7 @@ from .carry import Fold, Snapshot, render_note
 from .carry.snapshot import DEFAULT_NOTE, CarryRules
 from .conversation import META_KEY, BadMetadata, Conversation, Unplannable, read_metadata
 from .errors import BadRequest, OverBudget
-from .history import HistoryCache, View
+from .history import HistoryCache, View, tool_results
 from .jsonbytes import Span
 from .policy import Limits, Plan, PlanRules, plan
 from .policy.compact import MARK, archive_id, compact_text, eligible, with_text
@@ -220,6 +220,7 @@ def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
         min_score=m.markers.min_score,
         low_water=m.eviction.low_water,
         recall_share=m.eviction.recall_share,
+        shortcuts_off=rules.shortcuts_off,
     )
     rules.remember(("plan_rules", max_tokens), hit)
     return hit
@@ -403,7 +404,8 @@ def _compact(d: Decision, rules: Rules, archive_in: str | None) -> bool:
                    if role(items[i]) == "assistant"), 0)
     room = rules.store.max_chars_per_record
     shorter: dict[int, int] = {}  # item -> characters of text its results lost
-    for r in eligible(d.wire.tool_results(items), crules, pins, unread):
+    results = tool_results(d.view, d.wire, items, rules.shortcuts_off)  # resumed per session
+    for r in eligible(results, crules, pins, unread):
         aid = archive_id(archive_in, r.text) if archive_in and len(r.text) <= room else None
         text = compact_text(r.text, crules, aid)
         if text is not None:

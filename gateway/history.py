@@ -26,6 +26,7 @@ import orjson
 from . import splice
 from .carry import Fold
 from .conversation import Conversation, Group, Unplannable
+from .policy.compact import ToolResult
 from .wire.base import Wire
 
 SPLICE_MIN_BYTES = 16 << 10  # smaller bodies parse in microseconds: not worth the bytes kept
@@ -48,6 +49,9 @@ class Entry:
     # where the next body's new bytes may start: this request's record once made
     # (while the upstream answers), until then the one the previous entry had
     reuse: Reuse | None = None
+    # the tool results of items[:start] and the tool names by call id there: where the
+    # next request's scan for compactable results resumes (tool_results)
+    tools: tuple[tuple[ToolResult, ...], dict[Any, str]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +254,27 @@ class HistoryCache:
         ):
             _, gone = self._entries.popitem(last=False)
             self.bytes -= gone.size
+
+
+def tool_results(view: View | None, wire: Wire, items: list[Any],
+                 off: frozenset[str] = frozenset()) -> list[ToolResult]:
+    """wire.tool_results(items), the scan resumed where the session's previous request
+    left it: its results and tool names up to its last turn start, unchanged in `items`
+    (`view.known`), are taken as they are; checkpointed at this request's last turn
+    start for the next one. `off`: MEMGATE_SHORTCUTS_OFF (toolscan: the whole scan)."""
+    entry = view.entry if view is not None else None
+    if view is None or entry is None or "toolscan" in off:
+        return wire.tool_results(items)
+    prev = view.prev
+    start, out, names = 0, [], {}
+    if prev is not None and prev.tools is not None and prev.start <= view.known:
+        start, out, names = prev.start, list(prev.tools[0]), dict(prev.tools[1])
+    if start <= entry.start:
+        out += wire.tool_results(items[:entry.start], start, names)
+        entry.tools = (tuple(out), dict(names))
+        start = entry.start
+    out += wire.tool_results(items, start, names)
+    return out
 
 
 def _reaches(rec: splice.Splice, raw: bytes, items: list[Any]) -> bool:

@@ -8,8 +8,10 @@ needs, so a history that clearly fits is never tokenized on the request path.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import operator
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +44,19 @@ class PlanRules:
     # when history is dropped: the share of the budget held back from the stable part
     # and filled with the dropped groups the current request is about (0 = off)
     recall_share: float = 0.0
+    # MEMGATE_SHORTCUTS_OFF (Rules.shortcuts_off): the planner's own are PLAN_SHORTCUTS;
+    # with one off its work is done the long way, with the same decisions
+    shortcuts_off: frozenset[str] = frozenset()
+
+
+# The planner's request-path shortcuts (names in MEMGATE_SHORTCUTS_OFF, README table):
+# planpass: the stages that read no budget (pinned, recent_turns) run once for both
+#   passes of a recall plan, and the full-budget pass is skipped when they already drop
+# plancache: an unchanged history with the same floor (system + current turn) gets the
+#   stable part's decision from the conversation's memo instead of the stages
+# recallscan: the fill tests "dropped?" on a set, and the dropped runs around recalled
+#   groups are found with list.index instead of a walk over every group
+PLAN_SHORTCUTS = ("planpass", "plancache", "recallscan")
 
 
 class Dropped(Sequence[tuple[int, str]]):
@@ -162,6 +177,9 @@ class _State:
     first_current: int = 0  # the first group of the current turn
     # (k, stage): groups[:k] all dropped by `stage` in one stroke (the recent-turns cap)
     dropped_prefix: tuple[int, str] = (0, "")
+    # (k, kept): groups[:k] all dropped by the recent-turns cap but `kept`, which an
+    # earlier stage kept (pins; recallscan)
+    capped: tuple[int, tuple[int, ...]] = (0, ())
     turn_costs: dict[int, Cost] = field(default_factory=dict)  # cost of a turn's open groups
     tokens_key: Any = None  # see plan()
 
@@ -318,11 +336,20 @@ def keep_recent_turns(st: _State) -> None:
     # groups are in turn order: the first k are the turns the cap drops
     k = bisect.bisect_left(st.conv.groups, oldest_allowed, key=lambda grp: grp.turn)
     mark = _mark(DROP, "recent_turns")
-    if any(decision[:k]):  # some kept by an earlier stage (pins)
-        decision[:k] = [mark if d is None else d for d in decision[:k]]
-    else:
+    if not any(decision[:k]):
         decision[:k] = [mark] * k
         st.dropped_prefix = (k, "recent_turns")
+        st.capped = (k, ())
+    elif "recallscan" in st.rules.shortcuts_off:  # some kept by an earlier stage (pins)
+        decision[:k] = [mark if d is None else d for d in decision[:k]]
+    else:  # the few an earlier stage decided found at C speed, the rest dropped at once
+        head = decision[:k]
+        decided = list(itertools.compress(range(k), head))
+        decision[:k] = [mark] * k
+        for g in decided:
+            decision[g] = head[g]
+        if all((d := head[g]) is not None and d[0] == KEEP for g in decided):
+            st.capped = (k, tuple(decided))
 
 
 def fit_length_budget(st: _State) -> None:
@@ -506,11 +533,12 @@ def _share(lim: Limits, share: float) -> Limits:
                   lim.max_turns)
 
 
-def _run_stages(
+def _start(
     conv: Conversation, rules: PlanRules, lim: Limits, tokens_of: Callable[[int], int],
     overhead_tokens: int, tokens_key: Any, group_tokens: list[int] | None = None,
 ) -> _State:
-    """The configured stages under `lim`; `group_tokens`: counts an earlier run made."""
+    """A plan's state under `lim` before any stage: the system part and the current turn
+    kept (the floor); `group_tokens`: counts an earlier run made."""
     groups = conv.groups
     max_tokens, max_chars, max_messages = _caps(lim)
     st = _State(
@@ -539,9 +567,126 @@ def _run_stages(
     st.first_current = first_current
     current = range(first_current, len(groups))
     st.keep(current, "current")
+    return st
+
+
+def _run_stages(
+    conv: Conversation, rules: PlanRules, lim: Limits, tokens_of: Callable[[int], int],
+    overhead_tokens: int, tokens_key: Any, group_tokens: list[int] | None = None,
+) -> _State:
+    """The configured stages under `lim`; `group_tokens`: counts an earlier run made."""
+    st = _start(conv, rules, lim, tokens_of, overhead_tokens, tokens_key, group_tokens)
     for name in rules.order:
         STAGES[name](st)
     return st
+
+
+def _drops(st: _State) -> bool:
+    """Did a stage drop anything? (a C-level search for each drop mark: every decision
+    is one of the _MARKS objects)"""
+    k, kept = st.capped
+    if st.dropped_prefix[0] or k > len(kept):
+        return True
+    decision = st.decision
+    return any(m in decision for (kind, _), m in list(_MARKS.items()) if kind == DROP)
+
+
+# stages whose decisions read no budget: the same under any limits (pinned keeps up to
+# max_pinned pins whatever they cost, recent_turns counts turns)
+_BUDGET_FREE = frozenset({"pinned", "recent_turns"})
+
+
+def _fork(st: _State, lim: Limits, turn_costs: dict[int, Cost]) -> _State:
+    """A copy of st to run the remaining stages on under `lim` (the token counts and the
+    turns' anchors, facts of the history, are shared)."""
+    max_tokens, max_chars, max_messages = _caps(lim)
+    return _State(
+        conv=st.conv, rules=st.rules, tokens_of=st.tokens_of, count_tokens=st.count_tokens,
+        decision=list(st.decision), tokens_used=st.tokens_used, chars_used=st.chars_used,
+        messages_used=st.messages_used, anchors=st.anchors, group_tokens=st.group_tokens,
+        pinned_overflow=st.pinned_overflow, fill_fallback=st.fill_fallback,
+        max_tokens=max_tokens, max_chars=max_chars, max_messages=max_messages,
+        first_current=st.first_current, dropped_prefix=st.dropped_prefix, capped=st.capped,
+        turn_costs=turn_costs, tokens_key=st.tokens_key,
+    )
+
+
+def _stages(base: _State, lim: Limits, stable: Limits, recall: bool, overhead_tokens: int
+            ) -> tuple[_State, bool]:
+    """The stable part: (the state the stages left, whether the fill runs on it). With
+    `recall`, the stages run under `lim` and, if that drops, again under `stable` (the
+    fill then has the rest). `base` is _start's state under `lim`."""
+    conv, rules = base.conv, base.rules
+    order = rules.order
+    if "planpass" in rules.shortcuts_off:  # both passes from the start
+        st = _run_stages(conv, rules, lim, base.tokens_of, overhead_tokens, base.tokens_key)
+        if not (recall and _drops(st)):
+            return st, False
+        return _run_stages(conv, rules, stable, base.tokens_of, overhead_tokens,
+                           base.tokens_key, st.group_tokens), True
+    k = 0
+    while k < len(order) and order[k] in _BUDGET_FREE:
+        k += 1
+    for name in order[:k]:  # once for both passes
+        STAGES[name](base)
+    rest = order[k:]
+    if recall and _drops(base):  # the full-budget pass drops what these did: skipped
+        base.max_tokens, base.max_chars, base.max_messages = _caps(stable)
+        st, fill = base, True
+    elif not recall:
+        st, fill = base, False
+    else:
+        full = _fork(base, lim, {})
+        for name in rest:
+            STAGES[name](full)
+        if not _drops(full):
+            return full, False
+        # the length stage's turn costs are the same in both passes when it comes first
+        # (the same groups are open there)
+        st, fill = _fork(base, stable, full.turn_costs if rest[:1] == ("length",) else {}), True
+    for name in rest:
+        STAGES[name](st)
+    return st, fill
+
+
+_STABLE_KEY = "plan_stable"
+_STABLE_ENTRIES = 4  # floors / rules remembered per history (a note's narrower budget...)
+
+
+def _planned(base: _State, lim: Limits, stable: Limits, recall: bool, overhead_tokens: int
+             ) -> tuple[_State, bool]:
+    """_stages, or what it gave for the same history (the same group objects: a session's
+    unchanged history, history.join), the same floor and rules, from the conversation's
+    memo: the stable part is a function of those alone (the fill, which reads the
+    current request's words, is not memoized)."""
+    rules, conv, fc = base.rules, base.conv, base.first_current
+    if "plancache" in rules.shortcuts_off or base.tokens_key is None or not fc:
+        return _stages(base, lim, stable, recall, overhead_tokens)
+    groups = conv.groups
+    key = (rules, base.tokens_key, conv.n_turns, recall, base.tokens_used, base.chars_used,
+           base.messages_used)
+    memo = conv.memo.get(_STABLE_KEY)
+    if (memo is None or len(memo[0]) != fc
+            or not all(map(operator.is_, memo[0], groups[:fc]))):
+        memo = conv.memo[_STABLE_KEY] = (groups[:fc], {})
+    entries: dict[Any, Any] = memo[1]
+    hit = entries.get(key)
+    if hit is not None:
+        (decision, counts, base.tokens_used, base.chars_used, base.messages_used,
+         base.pinned_overflow, base.fill_fallback, base.dropped_prefix, base.capped,
+         fill) = hit
+        base.decision[:fc] = decision
+        base.group_tokens[:fc] = counts
+        if fill:
+            base.max_tokens, base.max_chars, base.max_messages = _caps(stable)
+        return base, fill
+    st, fill = _stages(base, lim, stable, recall, overhead_tokens)
+    if len(entries) >= _STABLE_ENTRIES:
+        entries.clear()
+    entries[key] = (st.decision[:fc], st.group_tokens[:fc], st.tokens_used, st.chars_used,
+                    st.messages_used, st.pinned_overflow, st.fill_fallback, st.dropped_prefix,
+                    st.capped, fill)
+    return st, fill
 
 
 # the fill stops after this many candidates in a row that did not fit: the budget is
@@ -563,6 +708,24 @@ class _Eligible:
             return False
         d = self.st.decision[g]
         return d is not None and d[0] == DROP and self.st.conv.groups[g].turn > 0
+
+
+def _eligible(st: _State, end: int) -> Container[int]:
+    """The fill's candidates (see _Eligible) as a set, so that the ranking's many tests
+    are C-level: the dropped prefix is a range, only the groups after it are read. Taken
+    before the fill starts: a group it recalls stays in the set, and the fill passes it
+    over as no longer dropped, as _Eligible would have left it out."""
+    if "recallscan" in st.rules.shortcuts_off:
+        return _Eligible(st, end)
+    groups, decision = st.conv.groups, st.decision
+    lo = bisect.bisect_left(groups, 1, 0, end, key=lambda grp: grp.turn)  # past turn 0
+    k, kept = st.capped
+    k = min(k, end)
+    out = set(range(lo, k))
+    out.difference_update(kept)
+    out.update(g for g in range(max(lo, k), end)
+               if (d := decision[g]) is not None and d[0] == DROP)
+    return out
 
 
 def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
@@ -592,7 +755,7 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     # the system part's terms are every request's: they say nothing about what to recall
     common = fill.common_terms("\n".join(text_of(i) for i in conv.fixed)) if conv.fixed else ()
     mark = _mark(KEEP, "recalled")
-    eligible = _Eligible(st, end)  # dropped groups of complete turns, read per group
+    eligible = _eligible(st, end)  # dropped groups of complete turns
     ranked = fill.rank(idx, query, eligible, common)
     # then what was asked in the other dropped turns, newest first: a turn's opening
     # message is short and says what the turn was for (BFCL, 4k: +0.5 points of the
@@ -680,13 +843,15 @@ def plan(
             kept_tokens=None,
             kept_chars=conv.total_text_chars + conv.outside_chars,
         )
-    st = _run_stages(conv, rules, lim, tokens_of, overhead_tokens, tokens_key)
-    if text_of is not None and rules.recall_share > 0.0 and any(
-            d is not None and d[0] == DROP for d in st.decision):
-        # the stable part gets what the recall share leaves; the fill the rest
-        stable = _share(lim, 1.0 - rules.recall_share)
-        st = _run_stages(conv, rules, stable, tokens_of, overhead_tokens, tokens_key,
-                         st.group_tokens)
+    # with a recall share, once the stages drop under the whole budget: the stable part
+    # gets what the share leaves, the fill the rest
+    recall = text_of is not None and rules.recall_share > 0.0
+    stable = _share(lim, 1.0 - rules.recall_share) if recall else lim
+    base = _start(conv, rules, lim, tokens_of, overhead_tokens, tokens_key)
+    st, fill = _planned(base, lim, stable, recall, overhead_tokens)
+    capped = st.capped  # before the fill brings any of it back
+    if fill:
+        assert text_of is not None
         st.max_tokens, st.max_chars, st.max_messages = _caps(lim)
         fill_from_request(st, text_of)
     kept_groups: list[int] = []
@@ -695,6 +860,25 @@ def plan(
     skip, stage = st.dropped_prefix
     if skip:  # a long dropped prefix is one run, not a walk over its groups
         run_mark = _mark(DROP, stage)
+    elif capped[0] and "recallscan" not in rules.shortcuts_off:
+        # the groups the cap dropped, but those an earlier stage kept (pins) and those
+        # the fill brought back (found by a search for its mark, not a walk over every
+        # group): runs between them
+        skip, stage = capped[0], "recent_turns"
+        back, g = _mark(KEEP, "recalled"), -1
+        apart = set(capped[1])
+        while True:
+            try:
+                g = st.decision.index(back, g + 1, skip)
+            except ValueError:
+                break
+            apart.add(g)
+        for g in sorted(apart):
+            if run_start < g:
+                runs.append((run_start, g, stage))
+            kept_groups.append(g)
+            run_start = g + 1
+        run_mark = _mark(DROP, stage) if run_start < skip else None
     for g in range(skip, len(groups)):
         d = st.decision[g]
         if d is not run_mark:

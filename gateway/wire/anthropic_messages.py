@@ -209,12 +209,13 @@ class AnthropicMessages(Wire):
         return (isinstance(item, dict) and item.get("role") == "user"
                 and not tool_ids(item.get("content"), "tool_result", "tool_use_id"))
 
-    def tool_results(self, items: list[Any]) -> list[ToolResult]:
+    def tool_results(self, items: list[Any], start: int = 0,
+                     names: dict[Any, str] | None = None) -> list[ToolResult]:
         # a tool_result's content: a string, or text blocks only (they become one string;
         # a block with an image, a cache breakpoint or anything else keeps it as it is)
-        names: dict[Any, str] = {}
+        names = {} if names is None else names
         out = []
-        for i, m in enumerate(items):
+        for i, m in enumerate(items[start:], start):
             if not isinstance(m, dict):
                 continue
             blocks = _blocks(m.get("content"))

@@ -89,9 +89,12 @@ class Wire:
         whose bytes start at b[at] (none: nothing to mark)."""
         return []
 
-    def tool_results(self, items: list[Any]) -> list[ToolResult]:
-        """The text results of tool calls in `items`, oldest first (what compaction may
-        shorten); none on a wire without tool results."""
+    def tool_results(self, items: list[Any], start: int = 0,
+                     names: dict[Any, str] | None = None) -> list[ToolResult]:
+        """The text results of tool calls in `items[start:]`, oldest first (what
+        compaction may shorten); none on a wire without tool results. `names`: the tool
+        names by call id of the calls before `start`, updated with those after it (a
+        scan resumed where an earlier one stopped, history.tool_results)."""
         return []
 
     def listed(self, value: bytes) -> bytes | None:

@@ -210,10 +210,11 @@ class OpenAIChat(Wire):
     def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
         return parse(items, prefix, min_score)
 
-    def tool_results(self, items: list[Any]) -> list[ToolResult]:
-        names: dict[Any, str] = {}
+    def tool_results(self, items: list[Any], start: int = 0,
+                     names: dict[Any, str] | None = None) -> list[ToolResult]:
+        names = {} if names is None else names
         out = []
-        for i, m in enumerate(items):
+        for i, m in enumerate(items[start:], start):
             if not isinstance(m, dict):
                 continue
             for call in m.get("tool_calls") or () if m.get("role") == "assistant" else ():

@@ -282,11 +282,12 @@ class OpenAIResponses(Wire):
         # `input` as a string is one user message: the list `items()` reads it as
         return b'[{"role":"user","content":' + value + b"}]" if value[:1] == b'"' else None
 
-    def tool_results(self, items: list[Any]) -> list[ToolResult]:
+    def tool_results(self, items: list[Any], start: int = 0,
+                     names: dict[Any, str] | None = None) -> list[ToolResult]:
         # a string `output` (computer_call_output's is a screenshot object: not text)
-        names: dict[Any, str] = {}
+        names = {} if names is None else names
         out = []
-        for i, it in enumerate(items):
+        for i, it in enumerate(items[start:], start):
             if not isinstance(it, dict):
                 continue
             t = item_type(it)

@@ -1,0 +1,192 @@
+"""The planner's request-path shortcuts only ever save work: a session's requests decided
+with planpass, plancache, recallscan and toolscan on give exactly what they give with
+them off (MEMGATE_SHORTCUTS_OFF), over generated histories with tool groups, pins, the
+recall fill and compaction, in all three wire shapes; and on the warm path they are
+taken (the memo hits, the full-budget pass is skipped, the tool-result scan resumes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.chat import Decision, decide
+from gateway.errors import GatewayError
+from gateway.history import HistoryCache
+from gateway.policy import plan as plan_module
+from gateway.rules import Rules, apply_env, build_rules
+from gateway.tokens import Tokenizers
+from gateway.wire.anthropic_messages import ANTHROPIC_MESSAGES
+from gateway.wire.base import Wire
+from gateway.wire.openai_chat import OPENAI_CHAT
+from gateway.wire.openai_responses import OPENAI_RESPONSES
+
+from .strategies import conversation, memory_rules, to_anthropic, to_responses
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAN_SHORTCUTS = "planpass,plancache,recallscan,toolscan"
+WIRES: dict[str, tuple[Wire, Any]] = {
+    "chat": (OPENAI_CHAT, lambda msgs: {"model": "gpt-4o-mini", "messages": msgs}),
+    "anthropic": (ANTHROPIC_MESSAGES, to_anthropic),
+    "responses": (OPENAI_RESPONSES, to_responses),
+}
+# the planner module (gateway.policy re-exports the function under the same name)
+P = __import__("sys").modules[plan_module.__module__]
+
+
+def make_rules(memory: dict[str, Any], off: str = "") -> Rules:
+    memory = {**memory, "carry": {"rules_file": "carry.yaml", "log_skipped": False}}
+    rules = build_rules({"memory": memory, "tokens": {"models_file": "models.yaml"}},
+                        base_dir=ROOT / "rules")
+    return apply_env(rules, {"MEMGATE_SHORTCUTS_OFF": off}) if off else rules
+
+
+def outcome(d: Decision) -> tuple[Any, ...]:
+    snap = d.snapshot.fields if d.snapshot is not None else None
+    return (d.conv, d.plan, d.forward, snap, d.note, d.skip_reason, d.est_tokens(),
+            d.compacted, d.archived)
+
+
+def decided(raw: bytes, rules: Rules, wire: Wire, cache: HistoryCache, tok: Tokenizers
+            ) -> Any:
+    try:
+        return outcome(decide(raw, orjson.loads(raw), rules, tok, wire, history=cache,
+                              key=("tenant", "s1"), archive_in="tenant"))
+    except GatewayError as err:
+        return ("error", type(err).__name__, str(err))
+
+
+@st.composite
+def session(draw: st.DrawFn) -> tuple[str, list[bytes]]:
+    """A wire and one session's bodies: the conversation growing a turn at a time, and
+    after some turns requests that resend the same history with another last question
+    (the stable-part memo's case)."""
+    name = draw(st.sampled_from(sorted(WIRES)))
+    _, to_body = WIRES[name]
+    msgs = draw(conversation(max_turns=10))
+    for m in msgs:  # some tool results long enough to compact
+        if m["role"] == "tool" and draw(st.integers(0, 2)) == 0:
+            m["content"] = (m["content"] + " result line 42;") * draw(st.integers(5, 30))
+    ends = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+    bodies = []
+    for end in ends:
+        bodies.append(orjson.dumps(to_body(msgs[: end + 1])))
+        for k in range(draw(st.integers(0, 2))):
+            ask = {"role": "user", "content": draw(st.sampled_from(
+                ["and now?", "what about report.csv", f"again {k}", "订单 汇总 上周 " * (k + 1)]))}
+            bodies.append(orjson.dumps(to_body([*msgs[:end], ask])))
+    return name, bodies
+
+
+@st.composite
+def rules_section(draw: st.DrawFn) -> dict[str, Any]:
+    memory = draw(memory_rules())
+    if draw(st.booleans()):  # a turn cap that cuts (and old pins it passes over)
+        memory["budget"]["max_turns"] = draw(st.integers(1, 4))
+    if draw(st.booleans()):  # compaction before the length stage, as shipped
+        order = memory["eviction"]["order"]
+        order.insert(order.index("length"), "compact_tools")
+        memory["eviction"]["compact"] = {"min_chars": 50, "target_chars": 200,
+                                         "keep_recent": draw(st.integers(0, 2)),
+                                         # the generated calls are all named f
+                                         "exclude_tools": draw(st.sampled_from([[], ["f"]]))}
+    return memory
+
+
+@given(s=session(), memory=rules_section())
+@settings()
+def test_plan_shortcuts_change_nothing(s: tuple[str, list[bytes]], memory: dict[str, Any]
+                                       ) -> None:
+    name, bodies = s
+    wire, _ = WIRES[name]
+    on, off = make_rules(memory), make_rules(memory, PLAN_SHORTCUTS)
+    cache_on, cache_off = HistoryCache(1 << 24, 100), HistoryCache(1 << 24, 100)
+    tok_on, tok_off = Tokenizers(50_000), Tokenizers(50_000)
+    for raw in bodies:
+        assert decided(raw, on, wire, cache_on, tok_on) == decided(raw, off, wire, cache_off,
+                                                                   tok_off)
+
+
+def shipped(off: str = "") -> Rules:
+    cfg = yaml.safe_load((ROOT / "rules" / "gateway.yaml").read_text(encoding="utf-8"))
+    cfg["memory"]["enable_eviction"] = True
+    rules = build_rules(cfg, base_dir=ROOT / "rules")
+    return apply_env(rules, {"MEMGATE_SHORTCUTS_OFF": off}) if off else rules
+
+
+def agent_history(n: int) -> list[dict[str, Any]]:
+    """n messages of tool-using turns, results long enough to compact."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are careful."}]
+    t = 0
+    while len(msgs) < n:
+        t += 1
+        msgs += [{"role": "user", "content": f"step {t}: read /src/m{t}.py and fix it"},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": f"c{t}", "type": "function",
+                      "function": {"name": "read_file", "arguments": f'{{"p": "m{t}"}}'}}]},
+                 {"role": "tool", "tool_call_id": f"c{t}",
+                  "content": f"def f{t}(x):\n    return x\n" * 120},
+                 {"role": "assistant", "content": f"fixed m{t}"}]
+    return msgs
+
+
+def test_warm_path_takes_the_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shipped rules, eviction on: a request that resends the history with a new question
+    gets the stable part from the memo (no stage runs), a grown one skips the
+    full-budget pass (the recent-turns cap already drops), the tool-result scan resumes
+    from the session's entry; and all of it decides what the long way decides."""
+    calls: dict[str, int] = {}
+    for name in ("length", "pinned"):
+        stage = P.STAGES[name]
+
+        def counted(st: Any, stage: Any = stage, name: str = name) -> None:
+            calls[name] = calls.get(name, 0) + 1
+            stage(st)
+
+        monkeypatch.setitem(P.STAGES, name, counted)
+    scanned: list[int] = []
+    scan = type(OPENAI_CHAT).tool_results
+
+    def counting_scan(self: Any, items: list[Any], start: int = 0,
+                      names: dict[Any, str] | None = None) -> Any:
+        scanned.append(len(items) - start)
+        return scan(self, items, start, names)
+
+    monkeypatch.setattr(type(OPENAI_CHAT), "tool_results", counting_scan)
+    msgs = agent_history(120)
+    tok = Tokenizers(50_000)
+
+    def session(rules: Rules) -> list[Any]:
+        cache = HistoryCache(1 << 26, 10)
+        out = []
+        for k, ask in enumerate(["now m7?", "and m9?", "and m9?", "what of m30?"]):
+            body = orjson.dumps({"model": "gpt-4o-mini", "messages": [
+                *msgs, *agent_history(8 * (k == 3))[1:],
+                {"role": "user", "content": ask}]})
+            calls.clear()
+            scanned.clear()
+            d = decide(body, orjson.loads(body), rules, tok, history=cache, key=("t", "s"))
+            out.append((outcome(d), dict(calls), sum(scanned)))
+        return out
+
+    fast, slow = session(shipped()), session(shipped(PLAN_SHORTCUTS))
+    assert [o for o, _, _ in fast] == [o for o, _, _ in slow]
+    plan = fast[0][0][1]
+    assert plan.dropped and plan.recalled and fast[0][0][7]  # cut, recalled, compacted
+    # each request plans twice (compact_tools shortens old results, then plans again);
+    # the long way, each plan runs its stages in both passes
+    assert all(c == {"pinned": 4, "length": 4} for _, c, _ in slow)
+    # the budget-free stages once, the full-budget pass skipped (the turn cap drops)
+    assert fast[0][1] == fast[3][1] == {"pinned": 2, "length": 2}
+    # the same history again (twice): the client's history planned from the memo; the
+    # compacted one's shortened groups are new objects each request: planned again
+    assert fast[1][1] == fast[2][1] == {"pinned": 1, "length": 1}
+    # scans for tool results: the whole history on first sight, then only what is new
+    n = len(msgs) + 1
+    assert fast[0][2] == n and [s for _, _, s in slow] == [n, n, n, n + 8]
+    assert fast[1][2] == fast[2][2] == 1 and fast[3][2] == 8 + 1
