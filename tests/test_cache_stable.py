@@ -50,7 +50,8 @@ async def test_cut_kept_and_moved_follow_the_forwarded_prefix(
     bodies = [orjson.loads(r["raw"])["messages"] for r in upstream.received]
     assert len(events) == len(bodies) == len(reqs)
     statuses = [e["cut"] for e in events]
-    # the stable part has the budget's (1 - share): its steps are that much shorter
+    # the stable part has the budget's (1 - share), its cut points the same step as
+    # without the fill: after a move its tail is that much shorter
     assert statuses.count("kept") > (1 - share) * statuses.count("moved") > 0
     rules, tok = gw.app[STATE].rules, Tokenizers(10_000)
     stable = []  # what was forwarded but the recalled history, as the gateway decided it
