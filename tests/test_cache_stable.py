@@ -50,7 +50,8 @@ async def test_cut_kept_and_moved_follow_the_forwarded_prefix(
     bodies = [orjson.loads(r["raw"])["messages"] for r in upstream.received]
     assert len(events) == len(bodies) == len(reqs)
     statuses = [e["cut"] for e in events]
-    # the stable part has the budget's (1 - share): its steps are that much shorter
+    # the stable part has the budget's (1 - share), its cut points the same step as
+    # without the fill: after a move its tail is that much shorter
     assert statuses.count("kept") > (1 - share) * statuses.count("moved") > 0
     rules, tok = gw.app[STATE].rules, Tokenizers(10_000)
     stable = []  # what was forwarded but the recalled history, as the gateway decided it
@@ -67,6 +68,27 @@ async def test_cut_kept_and_moved_follow_the_forwarded_prefix(
             assert int(ev["prefix_tokens"]) > 0
         elif ev["cut"] == "moved":
             assert cur[: len(prev)] != prev
+
+
+async def test_token_budget_cut_moves_once_per_step_of_growth(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """With a token budget, a growing session's cut moves (cut=moved after the first cut) at
+    most once per (1 - low_water) x max_tokens tokens the history grows by (est_tokens),
+    plus one for the turn that crosses a step: its cut points sit by token counts."""
+    budget = {"max_tokens": 2000, "max_chars": None, "max_messages": None, "max_turns": None}
+    gw = await gateway(memory={"enable_eviction": True, "budget": budget,
+                               "eviction": {"recall_share": 0.0, "low_water": 0.6}})
+    for body in growing_requests():
+        await send(gw.url, body)
+    events = gw.mem_events()
+    first = next(k for k, ev in enumerate(events) if ev["cut"] != "none")
+    later = events[first + 1:]
+    moves = sum(ev["cut"] == "moved" for ev in later)
+    growth = int(events[-1]["est_tokens"]) - int(events[first]["est_tokens"])
+    assert 0 < moves <= growth / (0.4 * 2000) + 1
+    assert all(ev["cut"] in ("kept", "moved") for ev in later)
+    assert not any(ev.get("over_budget") for ev in events)
 
 
 async def test_next_request_sent_while_the_answer_is_held_sees_the_cut(

@@ -202,8 +202,10 @@ async def test_burst_of_big_cold_histories_counted_on_one_thread(gateway: Any, u
     from .test_proxy import post_raw
 
     # without the fill: its candidates are counted while it decides (on the loop), and
-    # in histories this short that is every message, leaving nothing to count off it
-    memory = {"enable_eviction": True, "eviction": {"recall_share": 0}}
+    # in histories this short that is every message, leaving nothing to count off it;
+    # and the sliding window: a stepped cut places its checkpoints by the tokens of the
+    # whole history before the current turn, counted while it decides
+    memory = {"enable_eviction": True, "eviction": {"recall_share": 0, "low_water": 1.0}}
     gw = await gateway(memory={**memory, "shadow": False})
     rules = make_rules(memory)
     bodies = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,9 @@ from hypothesis import strategies as st
 
 from gateway.chat import Decision, decide
 from gateway.conversation import is_active
-from gateway.policy import Plan
+from gateway.policy import Limits, Plan, PlanRules
+from gateway.policy.compact import compact_text
+from gateway.policy.plan import _caps, _checkpoints, _State
 from gateway.rules import Rules, build_rules
 from gateway.tokens import Tokenizers
 from gateway.wire import openai_chat
@@ -299,3 +302,203 @@ def test_fill_leaves_the_stable_part_to_eviction(
     assert tuple(i for i in d.plan.kept if i not in recalled) == alone.kept
     assert all(d.plan.kept_by[k] == "recalled" for k, i in enumerate(d.plan.kept)
                if i in recalled)
+
+
+# --------------------------------------------------- with compact_tools in the order
+
+@st.composite
+def bulky_conversation(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """A conversation some of whose tool results (pinned ones too) are long enough to be
+    compacted: JSON rows, log lines with errors, one long string."""
+    msgs = draw(conversation(max_turns=8))
+    for m in msgs:
+        if m["role"] == "tool" and draw(st.integers(0, 2)):
+            n = draw(st.integers(5, 60))
+            kind = draw(st.sampled_from(["rows", "log", "blob"]))
+            if kind == "rows":
+                m["content"] = orjson.dumps([{"id": k, "state": "ok" if k % 9 else "failed",
+                                              "path": f"/data/orders/{k}.csv"}
+                                             for k in range(n)]).decode()
+            elif kind == "log":
+                m["content"] = "\n".join(f"line {k} {'ERROR disk' if k % 13 == 4 else 'ok'} 订单"
+                                         for k in range(n * 4))
+            else:
+                m["content"] = "[PIN] " * (n % 7 == 0) + "wörd " * (n * 30)
+    return msgs
+
+
+@st.composite
+def compacting_rules(draw: st.DrawFn) -> dict[str, Any]:
+    """memory_rules() with compact_tools before length and a small min_chars."""
+    memory = draw(memory_rules())
+    order = [s for s in memory["eviction"]["order"] if s != "length"]
+    at = draw(st.integers(0, len(order)))
+    memory["eviction"]["order"] = [*order[:at], "compact_tools", *order[at:], "length"]
+    memory["eviction"]["compact"] = {"min_chars": draw(st.sampled_from([300, 800])),
+                                     "keep_recent": draw(st.integers(0, 2))}
+    return memory
+
+
+@given(msgs=bulky_conversation(), memory=compacting_rules())
+@SETTINGS
+def test_invariants_hold_with_compaction(msgs: list[dict[str, Any]],
+                                         memory: dict[str, Any]) -> None:
+    """With compact_tools on: the order, system and current turn kept, pairs whole, the
+    first message a user's, every forwarded message the client's but for a compacted tool
+    result (never a pin, a system message, one of the newest keep_recent results or one
+    the model has not read; the rest of its message unchanged; compacting it again
+    changes nothing), active pins kept up to max_pinned, the same bytes on every request,
+    and planning the forwarded history again drops nothing."""
+    rules = make_rules(memory)
+    d = run(msgs, rules)
+    p = d.plan
+    assert p is not None and d.conv is not None
+    kept = list(p.kept)
+    assert kept == sorted(set(kept))
+    cur = current_turn_start(msgs)
+    assert all(i in kept for i, m in enumerate(msgs) if m["role"] in ("system", "developer"))
+    assert set(range(cur, len(msgs))) <= set(kept)
+    order = d.forwarded()
+    recalled = list(p.recalled)
+    assert order == ([i for i in kept if i < cur and i not in recalled] + recalled
+                     + [i for i in kept if i >= cur])
+    out = orjson.loads(d.forward)["messages"]
+    assert len(out) == len(order)
+    pinned = {i for g in d.conv.groups for i, _ in g.pins}
+    tools = [i for i, m in enumerate(msgs) if m["role"] == "tool"]
+    keep_recent = rules.memory.eviction.compact.keep_recent
+    newest = set(tools[len(tools) - keep_recent:]) if keep_recent else set()
+    last_assistant = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"),
+                         default=-1)
+    for i, m in zip(order, out, strict=True):
+        client = {k: v for k, v in msgs[i].items() if k != "memgate"}
+        if i in d.compacted:
+            assert msgs[i]["role"] == "tool" and i not in pinned and i not in newest
+            assert i < last_assistant
+            assert m["content"] != client["content"] and "[memgate: " in m["content"]
+            assert compact_text(m["content"], rules.memory.eviction.compact) is None
+            m = {**m, "content": client["content"]}
+        assert m == client
+    calls = {c["id"]: j for j, m in enumerate(out) for c in m.get("tool_calls") or []}
+    results = {m["tool_call_id"]: j for j, m in enumerate(out) if m["role"] == "tool"}
+    assert set(calls) == set(results)
+    assert all(calls[c] < j for c, j in results.items())
+    assert next(m for m in out if m["role"] not in ("system", "developer"))["role"] == "user"
+    if rules.memory.eviction.order[0] == "pinned" and rules.memory.eviction.keep_pinned:
+        active = [i for g in d.conv.groups for i, pin in g.pins
+                  if g.turn < d.conv.n_turns and is_active(pin, g.turn, d.conv.n_turns, 0.7)]
+        assert len([i for i in active if i not in kept]) <= p.pinned_overflow
+    assert run(msgs, rules).forward == d.forward
+    if not p.over_budget:
+        held = as_held(msgs, d)
+        for k, i in enumerate(order):
+            if i in d.compacted:
+                held[k] = {**held[k], "content": out[k]["content"]}
+        again = run(held, rules)
+        assert again.plan is not None and again.plan.dropped == ()
+
+
+# ------------------------------------------------------------------ the checkpoints
+
+_COUNTER: list[Any] = []
+
+
+def counter() -> Any:
+    """The counter the gateway uses for gpt-4o-mini (made once)."""
+    if not _COUNTER:
+        _COUNTER.append(TOKENIZERS.get(make_rules({}).model_info("gpt-4o-mini").encoding))
+    return _COUNTER[0]
+
+
+def checkpoints_of(history: list[dict[str, Any]], limits: Limits, low_water: float,
+                   memo: dict[Any, Any] | None = None) -> tuple[list[int] | None, Any]:
+    """The stepped cut's checkpoints of a history (before its current turn), counted as the
+    gateway counts, resumed from `memo` when given; (checkpoints, the memo after)."""
+    conv = openai_chat.parse(history, "[PIN]", 0.7)
+    if memo is not None:
+        conv.memo = memo
+    n = len(conv.groups)
+    max_tokens, max_chars, max_messages = _caps(limits)
+    st_ = _State(
+        conv=conv, rules=PlanRules(limits=limits, low_water=low_water),
+        tokens_of=lambda i: openai_chat.message_tokens(history[i], counter()),
+        count_tokens=limits.max_tokens is not None, decision=[None] * n,
+        group_tokens=[-1] * n, max_tokens=max_tokens, max_chars=max_chars,
+        max_messages=max_messages, tokens_key=(counter(), 1.0))
+    end = n
+    while end and conv.groups[end - 1].turn == conv.n_turns:
+        end -= 1
+    return _checkpoints(st_, end, 1.0 - low_water), conv
+
+
+def turn_sizes(conv: Any, history: list[dict[str, Any]]) -> dict[int, tuple[int, int, int]]:
+    sizes: dict[int, tuple[int, int, int]] = {}
+    for g in conv.groups:
+        if g.turn == conv.n_turns:
+            continue
+        t, c, m = sizes.get(g.turn, (0, 0, 0))
+        sizes[g.turn] = (t + sum(openai_chat.message_tokens(history[i], counter())
+                                 for i in g.indices), c + g.chars, m + len(g.indices))
+    return sizes
+
+
+@given(msgs=growing_session(),
+       max_tokens=st.one_of(st.none(), st.integers(30, 600)),
+       max_chars=st.one_of(st.none(), st.integers(100, 3000)),
+       max_messages=st.one_of(st.none(), st.integers(4, 30)),
+       low_water=st.sampled_from([0.3, 0.6, 0.8]))
+@SETTINGS
+def test_checkpoints_are_deterministic_and_prefix_stable(
+    msgs: list[dict[str, Any]], max_tokens: int | None, max_chars: int | None,
+    max_messages: int | None, low_water: float
+) -> None:
+    """Along a growing session the checkpoints are a function of the history (resumed from
+    the previous request's memo or computed from the start, the same), each request's are
+    a prefix of the next one's, and between two checkpoints no limited measure grows by a
+    step ((1 - low_water) of its limit) before the turn that opens the next one."""
+    limits = Limits(max_tokens=max_tokens, max_chars=max_chars, max_messages=max_messages)
+    memo: dict[Any, Any] | None = None
+    prev: list[int] | None = None
+    for end in [i for i, m in enumerate(msgs) if m["role"] == "user"]:
+        history = msgs[: end + 1]
+        fresh, conv = checkpoints_of(history, limits, low_water)
+        resumed, grown = checkpoints_of(history, limits, low_water, memo)
+        assert resumed == fresh
+        memo = grown.memo
+        if prev is not None and fresh is not None:
+            assert fresh[: len(prev)] == prev
+        prev = fresh
+    if prev is None:
+        return
+    sizes = turn_sizes(conv, history)
+    caps = (max_tokens, max_chars, max_messages)
+    turns = sorted(sizes)
+    for a, b in zip(prev, prev[1:]):
+        inside = [t for t in turns if a <= t < b][:-1]  # the turn before b may cross
+        for k, cap in enumerate(caps):
+            if cap is not None:
+                assert sum(sizes[t][k] for t in inside) < (1.0 - low_water) * cap
+
+
+@given(msgs=growing_session(), max_tokens=st.integers(30, 600),
+       low_water=st.sampled_from([0.3, 0.6, 0.8]))
+@SETTINGS
+def test_token_checkpoints_sit_on_the_step_grid(
+    msgs: list[dict[str, Any]], max_tokens: int, low_water: float
+) -> None:
+    """With a token budget alone, the checkpoints are the first turn and, for each multiple
+    of the step ((1 - low_water) x max_tokens tokens, as counted), the first turn that
+    starts at or past it: turn boundaries do not add up, so a cut that moves one checkpoint
+    frees a step on average."""
+    cps, conv = checkpoints_of(msgs, Limits(max_tokens=max_tokens), low_water)
+    if cps is None:
+        return
+    sizes = turn_sizes(conv, msgs)
+    step = (1.0 - low_water) * max_tokens
+    want, offset, mark = [min(sizes)], 0, 0
+    for t in sorted(sizes):
+        if math.floor(offset / step) > mark:
+            mark = math.floor(offset / step)
+            want.append(t)
+        offset += sizes[t][0]
+    assert cps == want

@@ -390,20 +390,19 @@ def fit_length_budget(st: _State) -> None:
 def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
     """The first turn to keep, chosen among fixed checkpoints of the history.
 
-    Checkpoints sit every (1 - low_water) of the budget along the history,
-    measured from its start with a cheap size (approximate tokens from the text,
-    characters, messages), so they do not move as turns are appended. The cut
-    is the earliest checkpoint whose tail fits; it stays put until the tail no
-    longer fits, then jumps to a checkpoint about one step later, leaving the
-    history near the low-water mark. Recomputed from the history alone, the
-    same cut comes back after a restart or on another replica.
+    Checkpoints sit every (1 - low_water) of the budget along the history, measured
+    from its start in what the budget counts (tokens as the planner counts them,
+    characters, messages), so they do not move as turns are appended. The cut is the
+    earliest checkpoint whose tail fits; it stays put until the tail no longer fits,
+    then jumps to the next checkpoint, one step later, leaving the history near the
+    low-water mark: one prefix change per step of growth. Recomputed from the history
+    alone, the same cut comes back after a restart or on another replica.
     """
-    limits = st.rules.limits
-    checkpoints = _checkpoints(st.conv, st.first_current, limits, 1.0 - st.rules.low_water)
+    checkpoints = _checkpoints(st, st.first_current, 1.0 - st.rules.low_water)
     if checkpoints is None:
         return None
     # newest checkpoint first: the tail only grows, so stop at the first that does not
-    # fit; only the tail that decides is ever tokenized
+    # fit
     is_checkpoint = set(checkpoints)
     best: int | None = None
     t_sum = c_sum = m_sum = 0
@@ -426,51 +425,78 @@ def _stepped_cut(st: _State, by_turn: dict[int, list[int]]) -> int | None:
     return best
 
 
-def _checkpoints(conv: Conversation, end: int, limits: Limits, step: float) -> list[int] | None:
+def _checkpoints(st: _State, end: int, step: float) -> list[int] | None:
     """The turns where checkpoints sit, over groups[:end] (None: no group).
 
-    Resumed from the conversation's memo (shared along a session's growing
-    history, see history.join) at the last turn boundary it recorded, when the
-    groups before it are still the same: the same additions in the same order,
-    so the same floats as computing from the start."""
+    Each limited measure (tokens as the planner counts them, characters, messages) is
+    summed along the history; a checkpoint sits at the first turn that starts a step
+    ((1 - low_water) of the measure's limit) or more past the previous checkpoint in
+    some measure. The measure that came a step keeps its grid (its next checkpoint is
+    due at the next multiple of the step, so turn boundaries do not add up); the others
+    count from the checkpoint. So no measure grows by more than a step (and a turn)
+    between checkpoints, and with one measure limited (or one that binds throughout) a
+    cut that jumps one checkpoint frees a step of it on average. Counting tokens means
+    the history before the current turn is tokenized once (then only its new turns).
+    Each checkpoint is a function of the turns before it: the checkpoints of a history
+    are a prefix of those of the history grown.
+
+    Resumed from the conversation's memo (shared along a session's growing history,
+    see history.join) at the last turn boundary it recorded, when the groups before it
+    are still the same: a growing session counts only its new turns."""
+    conv = st.conv
     groups = conv.groups
     if not end:
         return None
-    mt, mc, mm = limits.max_tokens, limits.max_chars, limits.max_messages
-    key = ("checkpoints", mt, mc, mm, step)
-    memo = conv.memo.get(key)
-    start, offset, mark, checkpoints = 0, 0.0, 0, []
+    limits = st.rules.limits
+    mt = limits.max_tokens if st.count_tokens else None
+    mc, mm = limits.max_chars, limits.max_messages
+    steps = tuple(step * cap if cap is not None else math.inf for cap in (mt, mc, mm))
+    # counts are shared only under the name of what counted them (see plan())
+    key = ("checkpoints", mt, mc, mm, step, st.tokens_key if mt is not None else None)
+    shared = mt is None or st.tokens_key is not None
+    memo = conv.memo.get(key) if shared else None
+    start = 0
+    # per measure: its sum, where it last counted from, the steps come since then
+    offsets, bases, came = [0, 0, 0], [0, 0, 0], [0, 0, 0]
+    checkpoints = [groups[0].turn]  # cutting nothing
     if memo is not None:
-        n, prefix, m_offset, m_mark, m_checkpoints = memo
-        if n <= end and groups[:n] == prefix:
-            start, offset, mark, checkpoints = n, m_offset, m_mark, list(m_checkpoints)
-    per_turn: dict[int, float] = {}
-    get = per_turn.get
-    for grp in groups[start:end]:
-        w = 0.0
-        if mt is not None:
-            w = grp.weight / mt
-        if mc is not None and grp.chars / mc > w:
-            w = grp.chars / mc
-        if mm is not None and len(grp.indices) / mm > w:
-            w = len(grp.indices) / mm
-        per_turn[grp.turn] = get(grp.turn, 0.0) + w
-    if not checkpoints:
-        checkpoints.append(groups[0].turn)  # cutting nothing
+        n, prefix, m_offsets, m_bases, m_came, m_checkpoints = memo
+        if n < end and groups[:n] == prefix:
+            start, checkpoints = n, list(m_checkpoints)
+            offsets, bases, came = list(m_offsets), list(m_bases), list(m_came)
     last_turn = groups[end - 1].turn
-    for turn, w in per_turn.items():  # turns in order: groups are
-        if turn == last_turn:  # remember the state before the newest turn
-            n = end
-            while n > start and groups[n - 1].turn == turn:
-                n -= 1
-            if len(conv.memo) > 4:  # budgets of replaced rules or other models
-                conv.memo.clear()
-            conv.memo[key] = (n, groups[:n], offset, mark, tuple(checkpoints))
-        level = int(offset / step)
-        if level > mark:
-            mark = level
-            checkpoints.append(turn)
-        offset += w
+    turn = groups[start].turn
+    t = c = m = 0  # the turn's sizes so far
+    for g in range(start, end + 1):
+        grp = groups[g] if g < end else None
+        if grp is None or grp.turn != turn:  # the turn before g is complete
+            if turn == last_turn and shared:  # remember the state before the newest turn
+                n = g
+                while n > start and groups[n - 1].turn == turn:
+                    n -= 1
+                if len(conv.memo) > 4:  # budgets of replaced rules or other models
+                    conv.memo.clear()
+                conv.memo[key] = (n, groups[:n], tuple(offsets), tuple(bases), tuple(came),
+                                  tuple(checkpoints))
+            levels = [math.floor((o - b) / s) for o, b, s in zip(offsets, bases, steps,
+                                                                 strict=True)]
+            if any(lv > done for lv, done in zip(levels, came, strict=True)):
+                checkpoints.append(turn)
+                for k in range(3):
+                    if levels[k] > came[k]:  # this measure came a step: it keeps its grid
+                        came[k] = levels[k]
+                    else:  # the others count from here
+                        bases[k], came[k] = offsets[k], 0
+            offsets[0] += t
+            offsets[1] += c
+            offsets[2] += m
+            if grp is None:
+                break
+            turn, t, c, m = grp.turn, 0, 0, 0
+        if mt is not None:
+            t += st.tokens(g)
+        c += grp.chars
+        m += len(grp.indices)
     return checkpoints
 
 

@@ -13,7 +13,14 @@ through the planner and reports, per budget and policy:
   prompt-cache miss from that point on;
 - reused: mean share of forwarded tokens that are the previous request's prefix;
 - fwd tokens: mean tokens forwarded;
-- over: requests over the budget (must be 0 unless system + current turn alone exceed it).
+- over: requests over the budget (must be 0 unless system + current turn alone exceed it);
+- changes / limit: the stepped cut's own limit is one prefix change per step of growth,
+  a step being (1 - low_water) x the budget (max_tokens, the budget these runs set). Per
+  session, from its first request that drops history (the first cut, a change every
+  policy pays once) to its last, growth = the tokens the history grew by, as the planner
+  counts them (compacted tool results as forwarded), and limit = growth / step; the
+  column is the changes after the first cut over the sum of those limits. 1.0 is the
+  grid's own bound (turns are whole: a turn bigger than a step moves the cut by itself).
 
 Sessions: a synthetic 300-turn coding session, and (if given) the BFCL
 long-context payloads replayed turn by turn.
@@ -81,9 +88,14 @@ def replay(sessions: list[list[dict[str, Any]]], budget: int, low_water: float,
     changed = follow = over = fallback = 0
     reused: list[float] = []
     forwarded: list[int] = []
+    after_cut = 0  # prefix changes after each session's first cut
+    limit = 0.0  # the changes one per step of growth allows, summed over sessions
+    step = (1.0 - low_water) * budget
     for msgs in sessions:
         prev: tuple[int, ...] | None = None
         stable = 0
+        first_cut: int | None = None  # history tokens at the session's first cut
+        grown = 0
         for history in requests_of(msgs):
             body: dict[str, Any] = {"model": "gpt-4o-mini", "messages": history}
             if tools:
@@ -104,9 +116,16 @@ def replay(sessions: list[list[dict[str, Any]]], budget: int, low_water: float,
                     same += 1
                 if same < stable:  # the recalled part is the question's, not the prefix
                     changed += 1
+                    after_cut += first_cut is not None
                 reused.append(sum(tokens[:same]) / max(1, sum(tokens)))
             prev = kept
             stable = kept.index(d.plan.recalled[0]) if d.plan.recalled else len(kept)
+            if first_cut is None and d.plan.dropped:
+                first_cut = grown = sum(map(d.planned_tokens, range(len(history))))
+            elif first_cut is not None:
+                grown = sum(map(d.planned_tokens, range(len(history))))
+        if first_cut is not None and step > 0:
+            limit += (grown - first_cut) / step
     return {
         "requests": len(forwarded),
         "changed": changed / max(1, follow),
@@ -114,6 +133,8 @@ def replay(sessions: list[list[dict[str, Any]]], budget: int, low_water: float,
         "fwd_tokens": statistics.mean(forwarded),
         "over": over,
         "fallback": fallback,
+        "after_cut": after_cut,
+        "limit": limit,
     }
 
 
@@ -121,8 +142,8 @@ def table(title: str, sessions: list[list[dict[str, Any]]], budgets: list[int],
           tools: list[Any] | None = None) -> None:
     print(f"\n### {title}\n")
     print("| budget | policy | requests | prefix changed | 1 in N | prefix tokens reused |"
-          " tokens forwarded | over budget | fill fallback |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          " tokens forwarded | over budget | fill fallback | changes / limit |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for budget in budgets:
         rows: tuple[tuple[str, float, float | None], ...] = (
             ("sliding (low_water 1.0)", 1.0, 0.0),
@@ -131,8 +152,11 @@ def table(title: str, sessions: list[list[dict[str, Any]]], budgets: list[int],
         for name, lw, share in rows:
             r = replay(sessions, budget, lw, tools, share)
             one_in = f"{1 / r['changed']:.1f}" if r["changed"] else "-"
+            vs = (f"{r['after_cut']:.0f} / {r['limit']:.1f} = {r['after_cut'] / r['limit']:.2f}x"
+                  if r["limit"] else "-")
             print(f"| {budget} | {name} | {r['requests']} | {r['changed']:.1%} | {one_in} |"
-                  f" {r['reused']:.1%} | {r['fwd_tokens']:.0f} | {r['over']} | {r['fallback']} |")
+                  f" {r['reused']:.1%} | {r['fwd_tokens']:.0f} | {r['over']} | {r['fallback']} |"
+                  f" {vs} |")
 
 
 def main() -> None:
