@@ -30,6 +30,7 @@ B = 0.75  # length normalisation
 # only; evidence ranked within 800 tokens of fill: 0.3 -> 0.5: +1.5 points, the wider
 # window: 61.4 -> 64.8%)
 NEIGHBOURS = (0.5, 0.35, 0.2, 0.1)
+SPREAD = tuple(enumerate(NEIGHBOURS, 1))  # (distance, share)
 # idf raised to this power: a question's one rare word outweighs its common ones (LoCoMo
 # dev, evidence ranked within 800 tokens of fill: 56.5 -> 58.2%)
 IDF_POWER = 2.0
@@ -164,14 +165,21 @@ def rank(idx: Index, query: str, eligible: Container[int],
     """Eligible groups that share words with `query` (but the `common` ones) or sit next
     to one that does, best first (ties: the newer)."""
     direct = bm25(idx, query_terms(query, common), eligible)
-    scores = dict(direct)
     best = direct if len(direct) <= MAX_SPREAD else dict(
         sorted(direct.items(), key=lambda kv: (-kv[1], -kv[0]))[:MAX_SPREAD])
+    # what the neighbours get, summed first: matches sit together (a topic), so most
+    # neighbours are lent to by several and their eligibility is asked once, not per loan
+    lent: dict[int, float] = {}
+    get = lent.get
     for g, score in best.items():
-        for d, share in enumerate(NEIGHBOURS, 1):
-            for h in (g - d, g + d):
-                if h in eligible:
-                    scores[h] = scores.get(h, 0.0) + share * score
+        for d, share in SPREAD:
+            part = share * score
+            lent[g - d] = get(g - d, 0.0) + part
+            lent[g + d] = get(g + d, 0.0) + part
+    scores = dict(direct)
+    for h, part in lent.items():
+        if h in direct or h in eligible:
+            scores[h] = scores.get(h, 0.0) + part
     return sorted(scores, key=lambda g: (-scores[g], -g))
 
 
