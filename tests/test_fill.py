@@ -293,3 +293,47 @@ async def test_http_shipped_caps_recall_within_every_cap(
     assert turns_of([msgs.index(m) for m in fwd]) <= 20 and len(fwd) <= 60
     ev = (await gw.wait_mem(1))[-1]
     assert int(ev["recalled"]) >= 1 and int(ev["kept"]) == len(fwd)
+
+
+CHAT_WORDS = ["cat", "garden", "weather", "sister", "Marmalade", "budget", "预算", "trip"]
+
+
+@given(turns=st.lists(st.lists(st.sampled_from(CHAT_WORDS), min_size=1, max_size=12),
+                      min_size=2, max_size=24),
+       question=st.lists(st.sampled_from(CHAT_WORDS), min_size=1, max_size=3),
+       share=st.sampled_from([0.1, 0.3, 0.5]),
+       max_turns=st.none() | st.integers(1, 16), max_messages=st.none() | st.integers(1, 40),
+       max_chars=st.none() | st.integers(20, 1500),
+       max_tokens=st.sampled_from([6000, 6000, 300]) | st.integers(30, 900))
+@settings(max_examples=80, deadline=None)
+def test_every_cap_bounds_the_forward_and_the_stable_part_its_share(
+        turns: list[list[str]], question: list[str], share: float, max_turns: int | None,
+        max_messages: int | None, max_chars: int | None, max_tokens: int) -> None:
+    """Whatever the caps and the share: a plan within the floor forwards at most max_turns
+    turns, max_messages messages, max_chars characters and max_tokens tokens, recalled
+    history included; with a recalled part, the rest fits (1 - recall_share) of each."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+    for words in turns:
+        msgs += [{"role": "user", "content": " ".join(words)},
+                 {"role": "assistant", "content": "ok " + words[-1]}]
+    msgs.append({"role": "user", "content": " ".join(question) + "?"})
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+    rules = capped(share, max_turns, max_messages, max_chars, max_tokens)
+    d = decide(raw, orjson.loads(raw), rules, TOK)
+    p = d.plan
+    assert p is not None
+    if p.over_budget:  # system + the current turn alone exceed a cap
+        return
+    chars = [len(m["content"]) for m in msgs]
+
+    def within(kept: list[int], part: float) -> bool:
+        def cap(n: int | None) -> int | None:
+            return None if n is None else max(1, int(n * part))
+        t, m, c = cap(max_turns), cap(max_messages), cap(max_chars)
+        return ((t is None or turns_of(kept) <= t) and (m is None or len(kept) <= m)
+                and (c is None or sum(chars[i] for i in kept) <= c))
+
+    assert within(list(p.kept), 1.0) and d.kept_tokens() <= max_tokens
+    if p.dropped or p.recalled:  # the fill ran: the stable part was planned under its share
+        stable = [i for i, why in zip(p.kept, p.kept_by) if why != "recalled"]
+        assert within(stable, 1.0 - share)
