@@ -50,17 +50,17 @@ def test_rank_prefers_rare_matching_terms_then_newer() -> None:
 
 
 def test_rank_neighbours_and_eligibility() -> None:
-    """A group near an eligible match gets a share of its score, less the farther it is;
-    ineligible groups never rank, nor lend their score to neighbours."""
-    texts = ["alpha", "zebra crossing", "reply", "gamma"]
+    """A group near an eligible match gets a share of its score, less the farther it is
+    and more after the match (the reply) than before; ineligible groups never rank, nor
+    lend their score to neighbours."""
+    texts = ["before", "alpha", "zebra crossing", "reply", "gamma", "delta"]
     conv = conv_of(texts)
-    idx = fill.index_history(conv, 4, texts.__getitem__)
-    scores = fill.bm25(idx, fill.terms("zebra"), range(4))
-    assert list(scores) == [1]
-    ranked = fill.rank(idx, "zebra", range(4))
-    assert ranked[0] == 1 and set(ranked[1:3]) == {0, 2} and ranked[3:] == [3]
-    assert fill.rank(idx, "zebra", {0, 1, 3}) == [1, 0, 3]
-    assert fill.rank(idx, "zebra", {0, 2, 3}) == []
+    idx = fill.index_history(conv, 6, texts.__getitem__)
+    scores = fill.bm25(idx, fill.terms("zebra"), range(6))
+    assert list(scores) == [2]
+    assert fill.rank(idx, "zebra", range(6)) == [2, 3, 4, 1, 0, 5]  # 4 and 1 tie: newer
+    assert fill.rank(idx, "zebra", {0, 1, 2, 4, 5}) == [2, 4, 1, 0, 5]
+    assert fill.rank(idx, "zebra", {0, 1, 3, 4}) == []
 
 
 def test_cjk_bigrams_and_stems_match() -> None:
@@ -302,16 +302,19 @@ CHAT_WORDS = ["cat", "garden", "weather", "sister", "Marmalade", "budget", "é¢„ç
                       min_size=2, max_size=24),
        question=st.lists(st.sampled_from(CHAT_WORDS), min_size=1, max_size=3),
        share=st.sampled_from([0.1, 0.3, 0.5]),
-       max_turns=st.none() | st.integers(1, 16), max_messages=st.none() | st.integers(1, 40),
-       max_chars=st.none() | st.integers(20, 1500),
-       max_tokens=st.sampled_from([6000, 6000, 300]) | st.integers(30, 900))
-@settings(max_examples=80, deadline=None)
+       binding=st.sets(st.sampled_from(["turns", "messages", "chars", "tokens"]), min_size=1),
+       limit=st.integers(1, 40))
+@settings(max_examples=150, deadline=None)
 def test_every_cap_bounds_the_forward_and_the_stable_part_its_share(
-        turns: list[list[str]], question: list[str], share: float, max_turns: int | None,
-        max_messages: int | None, max_chars: int | None, max_tokens: int) -> None:
+        turns: list[list[str]], question: list[str], share: float, binding: set[str],
+        limit: int) -> None:
     """Whatever the caps and the share: a plan within the floor forwards at most max_turns
     turns, max_messages messages, max_chars characters and max_tokens tokens, recalled
     history included; when the fill ran, the rest fits (1 - recall_share) of each."""
+    max_turns = limit % 16 + 1 if "turns" in binding else None
+    max_messages = limit if "messages" in binding else None
+    max_chars = 20 + 35 * limit if "chars" in binding else None
+    max_tokens = 30 + 20 * limit if "tokens" in binding else 6000
     msgs: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
     for words in turns:
         msgs += [{"role": "user", "content": " ".join(words)},
