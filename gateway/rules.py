@@ -57,7 +57,7 @@ class Eviction:
     low_water: float = 0.6
     move_cache_marker: bool = False
     compact: CompactRules = field(default_factory=CompactRules)
-    recall_share: float = 0.3  # of the budget, filled with the dropped history the request is about
+    recall_share: float = 0.4  # of the budget, filled with the dropped history the request is about
 
 
 @dataclass(frozen=True, slots=True)
