@@ -50,17 +50,17 @@ def test_rank_prefers_rare_matching_terms_then_newer() -> None:
 
 
 def test_rank_neighbours_and_eligibility() -> None:
-    """A group near an eligible match gets a share of its score, less the farther it is;
-    ineligible groups never rank, nor lend their score to neighbours."""
-    texts = ["alpha", "zebra crossing", "reply", "gamma"]
+    """A group near an eligible match gets a share of its score, less the farther it is
+    and more after the match (the reply) than before; ineligible groups never rank, nor
+    lend their score to neighbours."""
+    texts = ["before", "alpha", "zebra crossing", "reply", "gamma", "delta"]
     conv = conv_of(texts)
-    idx = fill.index_history(conv, 4, texts.__getitem__)
-    scores = fill.bm25(idx, fill.terms("zebra"), range(4))
-    assert list(scores) == [1]
-    ranked = fill.rank(idx, "zebra", range(4))
-    assert ranked[0] == 1 and set(ranked[1:3]) == {0, 2} and ranked[3:] == [3]
-    assert fill.rank(idx, "zebra", {0, 1, 3}) == [1, 0, 3]
-    assert fill.rank(idx, "zebra", {0, 2, 3}) == []
+    idx = fill.index_history(conv, 6, texts.__getitem__)
+    scores = fill.bm25(idx, fill.terms("zebra"), range(6))
+    assert list(scores) == [2]
+    assert fill.rank(idx, "zebra", range(6)) == [2, 3, 4, 1, 0, 5]  # 4 and 1 tie: newer
+    assert fill.rank(idx, "zebra", {0, 1, 2, 4, 5}) == [2, 4, 1, 0, 5]
+    assert fill.rank(idx, "zebra", {0, 1, 3, 4}) == []
 
 
 def test_cjk_bigrams_and_stems_match() -> None:
@@ -220,35 +220,124 @@ def test_index_grown_request_by_request_scores_as_one_built_at_once(
     assert len(ranked) == len(set(ranked)) and set(ranked) <= eligible
 
 
-def turn_capped(share: float, max_turns: int | None) -> Rules:
+def capped(share: float, max_turns: int | None = None, max_messages: int | None = None,
+           max_chars: int | None = None, max_tokens: int = 400) -> Rules:
     return build_rules({
         "memory": {"enable_eviction": True,
-                   "budget": {"max_tokens": 400, "max_chars": None, "max_messages": None,
-                              "max_turns": max_turns},
+                   "budget": {"max_tokens": max_tokens, "max_chars": max_chars,
+                              "max_messages": max_messages, "max_turns": max_turns},
                    "eviction": {"recall_share": share}},
         "tokens": {"models_file": "rules/models.yaml"}}, base_dir=ROOT)
 
 
-def test_fill_recalls_a_turn_only_while_the_turn_cap_has_room() -> None:
-    """The cap counts every kept turn (the current one and recalled ones too): with the
-    stable part holding max_turns turns the fill brings nothing back (and skips reading
-    the history, issue #22); with room for one more the turn asked about comes back."""
+def turns_of(kept: list[int] | tuple[int, ...]) -> int:
+    """The turns of long_chat's messages (system at 0, then user, assistant per turn)."""
+    return len({(i + 1) // 2 for i in kept if i})
+
+
+def test_turn_cap_counts_recalled_turns_and_leaves_them_the_share() -> None:
+    """max_turns bounds every forwarded turn (stable, recalled, current); the stable part
+    gets int((1 - recall_share) * max_turns) of them, the fill the rest: at each cap the
+    turn asked about comes back while one turn is left, and never past the cap."""
     msgs = long_chat("What is the name of my sister's cat?")
     raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
-    full_seen = room_seen = 0
-    for cap in range(2, 14):
-        d = decide(raw, orjson.loads(raw), turn_capped(0.5, cap), TOK)
+    for share in (0.3, 0.5):
+        for cap in range(1, 24):
+            d = decide(raw, orjson.loads(raw), capped(share, max_turns=cap, max_tokens=6000),
+                       TOK)
+            assert d.plan is not None
+            stable = [i for i, why in zip(d.plan.kept, d.plan.kept_by)
+                      if why not in ("system", "recalled")]
+            room = max(1, int(cap * (1 - share)))
+            assert turns_of(stable) <= room
+            assert turns_of(d.plan.kept) <= cap, (share, cap)
+            assert (7 in d.plan.recalled) == (room < cap), (share, cap)
+            if cap >= 4:  # every turn left to the fill is used
+                assert turns_of(d.plan.kept) == cap
+
+
+def test_message_and_char_caps_count_recalled_messages() -> None:
+    """max_messages and max_chars bound the whole forwarded history too, recalled part
+    included, with the stable part under (1 - recall_share) of each."""
+    msgs = long_chat("What is the name of my sister's cat?")
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+    chars = [len(m["content"]) for m in msgs]
+    for cap in range(3, 40):
+        d = decide(raw, orjson.loads(raw), capped(0.3, max_messages=cap, max_tokens=6000), TOK)
         assert d.plan is not None
-        stable = [i for i, why in zip(d.plan.kept, d.plan.kept_by)
-                  if why not in ("system", "recalled")]
-        turns = len({(i - 1) // 2 for i in stable})  # user, assistant per turn
-        assert turns + len({(i - 1) // 2 for i in d.plan.recalled}) <= cap
-        if turns == cap:
-            full_seen += 1
-            assert d.plan.recalled == () and list(d.plan.kept) == [0, *stable]
-            assert d.forward == orjson.dumps({"model": "gpt-4o-mini",
-                                              "messages": [msgs[i] for i in d.plan.kept]})
-        else:
-            room_seen += 1
-            assert 7 in d.plan.recalled  # the cat
-    assert full_seen and room_seen
+        stable = [i for i, why in zip(d.plan.kept, d.plan.kept_by) if why != "recalled"]
+        assert len(stable) <= max(1, int(cap * 0.7)) + 1  # + the system message (fixed)
+        assert len(d.plan.kept) <= cap and not d.plan.over_budget
+        if cap >= 8:
+            assert 7 in d.plan.recalled
+    for cap in range(300, 2400, 150):
+        d = decide(raw, orjson.loads(raw), capped(0.3, max_chars=cap, max_tokens=6000), TOK)
+        assert d.plan is not None and not d.plan.over_budget
+        assert sum(chars[i] for i in d.plan.kept) <= cap
+        assert 7 in d.plan.recalled
+
+
+async def test_http_shipped_caps_recall_within_every_cap(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """Through the gateway with the shipped caps (20 turns, 60 messages, 24,000 characters,
+    the conftest's budget): a 40-turn chat forwards at most 20 turns and 60 messages and
+    still brings back the turn the question is about; the [mem] line says so."""
+    gw = await gateway(memory={"enable_eviction": True, "eviction": {"recall_share": 0.3}})
+    client = AsyncOpenAI(base_url=str(gw.server.make_url("/v1")), api_key="sk-test")
+    msgs = long_chat("What is the name of my sister's cat?")
+    await client.chat.completions.create(model="gpt-4o-mini", messages=msgs)  # type: ignore[arg-type]
+    await client.close()
+    fwd = upstream.last_body()["messages"]
+    assert msgs[7] in fwd and fwd[-1] == msgs[-1]
+    assert turns_of([msgs.index(m) for m in fwd]) <= 20 and len(fwd) <= 60
+    ev = (await gw.wait_mem(1))[-1]
+    assert int(ev["recalled"]) >= 1 and int(ev["kept"]) == len(fwd)
+
+
+CHAT_WORDS = ["cat", "garden", "weather", "sister", "Marmalade", "budget", "预算", "trip"]
+
+
+@given(turns=st.lists(st.lists(st.sampled_from(CHAT_WORDS), min_size=1, max_size=12),
+                      min_size=2, max_size=24),
+       question=st.lists(st.sampled_from(CHAT_WORDS), min_size=1, max_size=3),
+       share=st.sampled_from([0.1, 0.3, 0.5]),
+       binding=st.sets(st.sampled_from(["turns", "messages", "chars", "tokens"]), min_size=1),
+       limit=st.integers(1, 40))
+@settings(max_examples=150, deadline=None)
+def test_every_cap_bounds_the_forward_and_the_stable_part_its_share(
+        turns: list[list[str]], question: list[str], share: float, binding: set[str],
+        limit: int) -> None:
+    """Whatever the caps and the share: a plan within the floor forwards at most max_turns
+    turns, max_messages messages, max_chars characters and max_tokens tokens, recalled
+    history included; when the fill ran, the rest fits (1 - recall_share) of each."""
+    max_turns = limit % 16 + 1 if "turns" in binding else None
+    max_messages = limit if "messages" in binding else None
+    max_chars = 20 + 35 * limit if "chars" in binding else None
+    max_tokens = 30 + 20 * limit if "tokens" in binding else 6000
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+    for words in turns:
+        msgs += [{"role": "user", "content": " ".join(words)},
+                 {"role": "assistant", "content": "ok " + words[-1]}]
+    msgs.append({"role": "user", "content": " ".join(question) + "?"})
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+    rules = capped(share, max_turns, max_messages, max_chars, max_tokens)
+    d = decide(raw, orjson.loads(raw), rules, TOK)
+    p = d.plan
+    assert p is not None
+    if p.over_budget:  # system + the current turn alone exceed a cap
+        return
+    chars = [len(m["content"]) for m in msgs]
+
+    def within(kept: list[int], part: float) -> bool:
+        def cap(n: int | None) -> int | None:
+            return None if n is None else max(1, int(n * part))
+        t, m, c = cap(max_turns), cap(max_messages), cap(max_chars)
+        return ((t is None or turns_of(kept) <= t) and (m is None or len(kept) <= m)
+                and (c is None or sum(chars[i] for i in kept) <= c))
+
+    assert within(list(p.kept), 1.0) and d.kept_tokens() <= max_tokens
+    if p.dropped or p.recalled:  # the fill ran: the stable part was planned under its share
+        stable = [i for i, why in zip(p.kept, p.kept_by) if why != "recalled"]
+        floor = [i for i, why in zip(p.kept, p.kept_by) if why in ("system", "current")]
+        assert within(stable, 1.0 - share) or stable == floor  # the floor is always kept

@@ -294,7 +294,7 @@ def test_fill_leaves_the_stable_part_to_eviction(
     alone = run(msgs, make_rules(memory)).plan
     assert alone is not None
     if alone.dropped:
-        memory["budget"] = {k: (v if v is None or k == "max_turns" else max(1, int(v * 0.5)))
+        memory["budget"] = {k: (v if v is None else max(1, int(v * 0.5)))
                             for k, v in memory["budget"].items()}
         alone = run(msgs, make_rules(memory)).plan
         assert alone is not None

@@ -44,10 +44,14 @@ async def test_pinned_probes_pass_and_report_is_written(
 
 
 async def test_a_lost_fact_fails_for_real(evidence_upstream: str, tmp_path: Path) -> None:
-    """A probe about an early, unpinned detail: A restates it, B cannot; exit 1."""
+    """A probe about an early, unpinned detail: A restates it, B (eviction without the
+    fill, which would bring the turn the question names back) cannot; exit 1."""
+    shipped = (ROOT / "rules" / "gateway.yaml").read_text()
+    config = tmp_path / "gateway.yaml"
+    config.write_text(shipped.replace("recall_share: 0.4", "recall_share: 0.0"))
     code, out = await run_cli("samples/chat_long_tools.json", "--probes",
                               "samples/probes_lost_fact.yaml", "--upstream", evidence_upstream,
-                              "--out", str(tmp_path))
+                              "--out", str(tmp_path), "--config", str(config))
     assert code == 1, out
     assert "FAIL dropped-detail" in out
     assert "FAIL b_restates:Turn 1: list /data/refunds" in out

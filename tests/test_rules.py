@@ -19,8 +19,8 @@ def test_shipped_config_loads_with_seed_defaults() -> None:
     r = load_rules(ROOT / "rules" / "gateway.yaml", {})
     assert r.memory.enable_eviction is False and r.memory.shadow is True
     assert r.memory.mode == "shadow"
-    assert r.memory.budget.max_chars == 24000 and r.memory.budget.max_messages == 60
-    assert r.memory.budget.max_turns == 20
+    assert r.memory.budget.max_chars is None and r.memory.budget.max_messages == 400
+    assert r.memory.budget.max_turns == 200
     assert r.memory.eviction.order == ("pinned", "recent_turns", "compact_tools", "length")
     assert r.memory.eviction.compact.keep_recent == 1
     assert r.memory.eviction.max_pinned == 8 and r.memory.eviction.drop_unit == "turn"

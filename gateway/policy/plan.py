@@ -174,6 +174,7 @@ class _State:
     max_tokens: int = _NO_LIMIT
     max_chars: int = _NO_LIMIT
     max_messages: int = _NO_LIMIT
+    max_turns: int | None = None  # the recent-turns cap of this run (the stable part's share)
     first_current: int = 0  # the first group of the current turn
     # (k, stage): groups[:k] all dropped by `stage` in one stroke (the recent-turns cap)
     dropped_prefix: tuple[int, str] = (0, "")
@@ -324,7 +325,7 @@ def keep_recent_turns(st: _State) -> None:
     turns, so the oldest kept turn (and the forwarded prefix) stays the same
     for several requests instead of sliding by one turn each time.
     """
-    limit = st.rules.limits.max_turns
+    limit = st.max_turns
     if limit is None:
         return
     need = st.current_turn - limit + 1  # the oldest turn the cap allows
@@ -555,8 +556,9 @@ def _share(lim: Limits, share: float) -> Limits:
     def part(n: int | None) -> int | None:
         return None if n is None else max(1, int(n * share))
 
+    # every limit, max_turns too: recalled groups open turns of their own
     return Limits(part(lim.max_tokens), part(lim.max_chars), part(lim.max_messages),
-                  lim.max_turns)
+                  part(lim.max_turns))
 
 
 def _start(
@@ -577,6 +579,7 @@ def _start(
         max_tokens=max_tokens,
         max_chars=max_chars,
         max_messages=max_messages,
+        max_turns=lim.max_turns,
         tokens_key=tokens_key,
     )
     # system/developer and the current turn are not subject to eviction
@@ -765,13 +768,15 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     end = st.first_current
     max_turns = st.rules.limits.max_turns
     turns = 0
-    if max_turns is not None:  # turns the stable part kept (the cap counts recalled ones too)
+    if max_turns is not None:  # the cap counts every forwarded turn, recalled ones too: the
+        # stable part was planned under its (1 - recall_share) of them (_share), the fill
+        # may open new turns up to the whole cap
         turns = len({groups[g].turn for g, d in enumerate(decision)
                      if d is not None and d[0] == KEEP and groups[g].turn})
         if turns >= max_turns:
             # every candidate would open a turn (none is recalled yet), which the cap
-            # refuses: nothing can come back, so nothing is read or ranked (a long
-            # session under the shipped max_turns: 2,000 messages, decide ~6.7 -> 1.9 ms)
+            # refuses (a cap too small to share, or pins that fill it): nothing can come
+            # back, so nothing is read or ranked
             return
     query = "\n".join(fill.group_text(groups[g], text_of)
                       for g in range(end, len(groups)) if groups[g].is_user)

@@ -2,17 +2,23 @@
 """Evidence retention on LoCoMo: recency-only vs memgate (eviction, fill, store recall).
 
     python tests/perf/eval_locomo.py --data ../shared/data [--budgets 2000,4000,8000]
-        [--recall-share 0.5] [--low-water 0.6]
+        [--recall-share 0.5] [--low-water 0.6] [--token-only] [--only-fill] [--no-reuse]
 
 Converts the LoCoMo dev conversations with the data set's own script (one request
 per QA item: full history + the question), runs every request through memgate's
 decision path (`decide`, and for the store-recall row recall over the turns the
 request drops: what the gateway forwards when `store.recall` is on and nothing was
 archived yet), writes what would be forwarded, and scores it with the data set's
-evaluator against the evaluator's recency-only baseline at the same budgets. Only
-the token budget limits (max_chars, max_messages, max_turns off). Rows: eviction
-without the fill (today's), with store recall, and with the budget-filling recall
-(the shipped eviction defaults unless --recall-share / --low-water say otherwise).
+evaluator against the evaluator's recency-only baseline at the same budgets.
+
+The rules are the shipped rules/gateway.yaml with eviction on and `max_tokens` set to
+each budget: every other limit as shipped (`max_chars`, `max_messages`, `max_turns`);
+`--token-only` turns those three off (the token budget alone). Rows: eviction without
+the fill (today's), with store recall, and with the budget-filling recall (the shipped
+eviction defaults unless --recall-share / --low-water say otherwise). Next to each row
+the prompt-cache cost of the same rules: prefix tokens reused on the synthetic chat
+session of eval_cache_stability.py replayed turn by turn (`reused`), and how often its
+stable prefix changed (`changed`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,44 +35,86 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import yaml
 
 from gateway.chat import decide
 from gateway.recall import recall
-from gateway.rules import build_rules
+from gateway.rules import Rules, build_rules
 from gateway.store import StoreRules
 from gateway.tokens import Tokenizers
 
 if __package__ in (None, ""):  # run as a file (python tests/perf/X.py): the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # makes tests importable
 
+from tests.perf.eval_cache_stability import requests_of, synthetic_session
 from tests.perf.shared_data import default_data_dir, require
 
 ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "rules" / "gateway.yaml"
+TOK = Tokenizers(500_000)
 
 
-def forward_all(payloads: Path, budget: int, top_k: int, out: Path,
-                eviction: dict[str, Any]) -> int:
+def eval_rules(budget: int, eviction: dict[str, Any], token_only: bool = False) -> Rules:
+    """The shipped config with eviction on, `max_tokens: budget` and `eviction` over it."""
+    data = yaml.safe_load(SHIPPED.read_text())
+    memory = data["memory"]
+    memory["enable_eviction"] = True
+    memory["budget"]["max_tokens"] = budget
+    if token_only:
+        memory["budget"].update(max_chars=None, max_messages=None, max_turns=None)
+    memory["eviction"].update(eviction)
+    return build_rules(data, str(SHIPPED), base_dir=SHIPPED.parent)
+
+
+def forward_all(payloads: Path, rules: Rules, top_k: int, out: Path) -> int:
     """Write the forwarded bodies; the number of requests over the budget."""
-    rules = build_rules({
-        "memory": {"enable_eviction": True, "budget": {"max_tokens": budget, "max_chars": None,
-                                                       "max_messages": None, "max_turns": None},
-                   "eviction": eviction},
-        "tokens": {"models_file": "rules/models.yaml"}}, base_dir=ROOT)
+    budget = rules.memory.budget.max_tokens
+    assert isinstance(budget, int)
     store_rules = replace(StoreRules(), recall_enabled=True, recall_top_k=top_k)
-    tok = Tokenizers(500_000)
     over = 0
     with out.open("wb") as f:
         for line in payloads.read_bytes().splitlines():
             body = orjson.loads(line)
-            d = decide(line, body, rules, tok)
+            d = decide(line, body, rules, TOK)
             if top_k and d.plan is not None and d.plan.dropped:
                 recalled = asyncio.run(recall(None, store_rules, "eval", "eval", d))
                 if recalled:
-                    d = decide(line, body, rules, tok, recalled=recalled)
+                    d = decide(line, body, rules, TOK, recalled=recalled)
             assert d.plan is not None
             over += d.plan.over_budget or (d.plan.kept_tokens or 0) > budget
             f.write(d.forward + b"\n")
     return over
+
+
+def reuse(rules: Rules, sessions: list[list[dict[str, Any]]]) -> tuple[float, float]:
+    """(prefix tokens reused, stable prefix changed) over the sessions replayed turn by
+    turn, as eval_cache_stability.py defines them (the recalled part is the question's)."""
+    reused: list[float] = []
+    changed = follow = 0
+    for msgs in sessions:
+        prev: tuple[int, ...] | None = None
+        stable = 0
+        for history in requests_of(msgs):
+            raw = orjson.dumps({"model": "gpt-4o-mini", "messages": history})
+            d = decide(raw, orjson.loads(raw), rules, TOK)
+            assert d.plan is not None
+            kept = tuple(d.forwarded())
+            tokens = [d.message_tokens(i) for i in kept]
+            if prev is not None:
+                follow += 1
+                same = 0
+                while same < min(len(prev), len(kept)) and prev[same] == kept[same]:
+                    same += 1
+                changed += same < stable
+                reused.append(sum(tokens[:same]) / max(1, sum(tokens)))
+            prev = kept
+            stable = kept.index(d.plan.recalled[0]) if d.plan.recalled else len(kept)
+    return statistics.mean(reused), changed / max(1, follow)
+
+
+def summary(data: dict[str, Any]) -> dict[str, float]:
+    result: dict[str, float] = next(iter(data["results"].values()))["overall"]
+    return result
 
 
 def main() -> None:
@@ -77,7 +126,10 @@ def main() -> None:
                     help="the fill's share of the budget (default: the shipped one)")
     ap.add_argument("--low-water", type=float, default=None,
                     help="memory.eviction.low_water for the fill row (default: shipped)")
+    ap.add_argument("--token-only", action="store_true",
+                    help="max_chars, max_messages, max_turns off: the token budget alone")
     ap.add_argument("--only-fill", action="store_true", help="skip the rows without the fill")
+    ap.add_argument("--no-reuse", action="store_true", help="skip the prompt-cache replay")
     args = ap.parse_args()
     require("--data", args.data / "locomo_to_payloads.py", args.data / "retention.py",
             args.data / "locomo" / "locomo_dev.json")
@@ -98,29 +150,31 @@ def main() -> None:
     payloads, side = work / "payloads.jsonl", work / "side.jsonl"
     evaluator = [sys.executable, str(args.data / "retention.py"), "--original", str(payloads),
                  "--side", str(side)]
+    chat = [synthetic_session(tools=False)]
+    print(f"caps: {'token budget only' if args.token_only else 'as shipped'}")
     print("| budget | policy | macro retention | micro | all evidence | fwd tokens |"
-          " over budget |")
-    print("|---|---|---|---|---|---|---|")
+          " over budget | chat prefix reused | chat prefix changed |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for budget in [int(b) for b in args.budgets.split(",")]:
-        runs: list[tuple[str, list[str], int | str]] = [
+        runs: list[tuple[str, list[str], int | str, str, str]] = [
             ("recency baseline (evaluator)",
-             ["--baseline", "recency", "--budget", str(budget)], "-")]
+             ["--baseline", "recency", "--budget", str(budget)], "-", "-", "-")]
         for k, (name, top_k, eviction) in enumerate(policies):
+            rules = eval_rules(budget, eviction, args.token_only)
             fwd = work / f"fwd_{budget}_{k}.jsonl"
-            over = forward_all(payloads, budget, top_k, fwd, eviction)
-            runs.append((name, ["--forwarded", str(fwd)], over))
-        for name, extra, over in runs:
+            over = forward_all(payloads, rules, top_k, fwd)
+            reused = changed = "-"
+            if not args.no_reuse and not top_k:
+                r, c = reuse(rules, chat)
+                reused, changed = f"{r:.1%}", f"{c:.1%}"
+            runs.append((name, ["--forwarded", str(fwd)], over, reused, changed))
+        for name, extra, over, reused, changed in runs:
             out = work / "r.json"
             subprocess.run([*evaluator, *extra, "--json-out", str(out)], check=True,
                            capture_output=True)
             o = summary(json.loads(out.read_text()))
             print(f"| {budget} | {name} | {o['macro']:.1%} | {o['micro']:.1%} | {o['all']:.1%} |"
-                  f" {o['fwd_tok']:.0f} | {over} |", flush=True)
-
-
-def summary(data: dict[str, Any]) -> dict[str, float]:
-    result: dict[str, float] = next(iter(data["results"].values()))["overall"]
-    return result
+                  f" {o['fwd_tok']:.0f} | {over} | {reused} | {changed} |", flush=True)
 
 
 if __name__ == "__main__":
