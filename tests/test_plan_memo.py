@@ -112,9 +112,11 @@ def test_plan_shortcuts_change_nothing(s: tuple[str, list[bytes]], memory: dict[
                                                                    tok_off)
 
 
-def shipped(off: str = "") -> Rules:
+def shipped(off: str = "", max_turns: int | None = None) -> Rules:
     cfg = yaml.safe_load((ROOT / "rules" / "gateway.yaml").read_text(encoding="utf-8"))
     cfg["memory"]["enable_eviction"] = True
+    if max_turns is not None:
+        cfg["memory"]["budget"]["max_turns"] = max_turns
     rules = build_rules(cfg, base_dir=ROOT / "rules")
     return apply_env(rules, {"MEMGATE_SHORTCUTS_OFF": off}) if off else rules
 
@@ -174,18 +176,20 @@ def test_warm_path_takes_the_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
             out.append((outcome(d), dict(calls), sum(scanned)))
         return out
 
-    fast, slow = session(shipped()), session(shipped(PLAN_SHORTCUTS))
+    # a turn cap that cuts these 30 turns (the shipped 200 would not)
+    fast, slow = session(shipped(max_turns=20)), session(shipped(PLAN_SHORTCUTS, 20))
     assert [o for o, _, _ in fast] == [o for o, _, _ in slow]
     plan = fast[0][0][1]
     assert plan.dropped and plan.recalled and fast[0][0][7]  # cut, recalled, compacted
     # each request plans twice (compact_tools shortens old results, then plans again);
     # the long way, each plan runs its stages in both passes
     assert all(c == {"pinned": 4, "length": 4} for _, c, _ in slow)
-    # the budget-free stages once, the full-budget pass skipped (the turn cap drops)
-    assert fast[0][1] == fast[3][1] == {"pinned": 2, "length": 2}
+    # pinned once for both passes; recent_turns and length in both (the stable part has
+    # its share of the turn cap: the full-budget pass cannot be skipped)
+    assert fast[0][1] == fast[3][1] == {"pinned": 2, "length": 4}
     # the same history again (twice): the client's history planned from the memo; the
     # compacted one's shortened groups are new objects each request: planned again
-    assert fast[1][1] == fast[2][1] == {"pinned": 1, "length": 1}
+    assert fast[1][1] == fast[2][1] == {"pinned": 1, "length": 2}
     # scans for tool results: the whole history on first sight, then only what is new
     n = len(msgs) + 1
     assert fast[0][2] == n and [s for _, _, s in slow] == [n, n, n, n + 8]

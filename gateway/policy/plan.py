@@ -635,8 +635,9 @@ def _fork(st: _State, lim: Limits, turn_costs: dict[int, Cost]) -> _State:
         messages_used=st.messages_used, anchors=st.anchors, group_tokens=st.group_tokens,
         pinned_overflow=st.pinned_overflow, fill_fallback=st.fill_fallback,
         max_tokens=max_tokens, max_chars=max_chars, max_messages=max_messages,
-        first_current=st.first_current, dropped_prefix=st.dropped_prefix, capped=st.capped,
-        turn_costs=turn_costs, tokens_key=st.tokens_key,
+        max_turns=lim.max_turns, first_current=st.first_current,
+        dropped_prefix=st.dropped_prefix, capped=st.capped, turn_costs=turn_costs,
+        tokens_key=st.tokens_key,
     )
 
 
@@ -653,14 +654,17 @@ def _stages(base: _State, lim: Limits, stable: Limits, recall: bool, overhead_to
             return st, False
         return _run_stages(conv, rules, stable, base.tokens_of, overhead_tokens,
                            base.tokens_key, st.group_tokens), True
+    # recent_turns reads the turn cap, which the stable part has its share of
+    free = _BUDGET_FREE if lim.max_turns == stable.max_turns else {"pinned"}
     k = 0
-    while k < len(order) and order[k] in _BUDGET_FREE:
+    while k < len(order) and order[k] in free:
         k += 1
     for name in order[:k]:  # once for both passes
         STAGES[name](base)
     rest = order[k:]
     if recall and _drops(base):  # the full-budget pass drops what these did: skipped
         base.max_tokens, base.max_chars, base.max_messages = _caps(stable)
+        base.max_turns = stable.max_turns
         st, fill = base, True
     elif not recall:
         st, fill = base, False
@@ -708,6 +712,7 @@ def _planned(base: _State, lim: Limits, stable: Limits, recall: bool, overhead_t
         base.group_tokens[:fc] = counts
         if fill:
             base.max_tokens, base.max_chars, base.max_messages = _caps(stable)
+            base.max_turns = stable.max_turns
         return base, fill
     st, fill = _stages(base, lim, stable, recall, overhead_tokens)
     if len(entries) >= _STABLE_ENTRIES:
