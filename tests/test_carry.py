@@ -15,7 +15,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gateway.carry import Fold, Message, build_snapshot
-from gateway.carry.rules import Prefilter
+from gateway.carry.rules import Prefilter, load_carry_patterns
+from gateway.errors import RulesError
 from gateway.mock_upstream import RECORD, create_mock_app
 from gateway.rules import load_rules
 
@@ -73,6 +74,42 @@ def test_labelled_sessions_quality() -> None:
     print(f"resolution accuracy {accuracy:.3f} ({resolved_ok}/{resolved_total}); "
           f"snapshot precision {precision:.3f} recall {recall:.3f}")
     assert accuracy >= 0.9 and precision >= 0.9 and recall >= 0.9
+
+
+# two people chatting (LoCoMo's shape: one speaker mapped to user, the other to assistant):
+# a verb that opens a task ("check") with a time, then open questions and their answers
+_CHAT = [
+    (1, "user", "Check out the photos from our hike last week, it was so much fun!"),
+    (1, "assistant", "Wow, what a view! What made you pick that trail?"),
+    (2, "user", "Thanks! A friend told me about it."),
+    (2, "assistant", "How long have you been hiking?\nIt looks like a great hobby."),
+    (3, "user", "Yeah, about two years now."),
+    (3, "assistant", "你最喜欢哪一段路？"),
+    (4, "user", "谢谢，山顶那段。"),
+]
+
+
+def test_open_questions_in_a_chat_are_not_confirmations() -> None:
+    """Only a question that asks the user to decide (yes/no, 是否, 吗？, should I ...)
+    makes the answer a confirmed constraint: a chat's open questions ("What made you
+    pick ...?", "How long ...?") and their answers ("Thanks! ...") are not carried as
+    "confirmed: ..." lines, and "it" means a path, file, url or service, never a time.
+    The shipped rules before this change carried three such lines and `"it" = last week`
+    for this chat (checked against them)."""
+    patterns, carry = RULES.memory.carry_patterns, RULES.memory.carry
+    assert patterns is not None
+    snap = build_snapshot([Message(*m) for m in _CHAT], patterns, carry)
+    assert "confirmed_constraints" not in snap.fields
+    assert "last week" not in str(snap.get("resolved_refs"))
+    # the same chat asking the user to decide: each answer is confirmed
+    closed = [*_CHAT,
+              (4, "assistant", "Nice. Can you send me the trail map?"),
+              (5, "user", "Sure, tonight."),
+              (5, "assistant", "要我把照片整理成相册吗？"),
+              (6, "user", "好啊，按日期排。")]
+    snap = build_snapshot([Message(*m) for m in closed], patterns, carry)
+    assert snap.get("confirmed_constraints") == [
+        "Can you send me the trail map? → Sure", "要我把照片整理成相册吗？ → 好啊"]
 
 
 def long_session(turns: int = 25) -> list[dict[str, Any]]:
@@ -420,3 +457,24 @@ def test_first_line_is_the_stripped_texts_first_line(text: str, limit: int | Non
 
     want = text.strip().splitlines()[0][:limit] if text.strip() else None
     assert _first_line(text, limit) == want
+
+
+@pytest.mark.parametrize(("type_", "error"), [
+    ("[path, file]", None), ("any", None), ("path", None),
+    ("[path, time]", "unknown ref type 'time'"), ("[]", "unknown ref type '[]'"),
+    ("nope", "unknown ref type 'nope'")])
+def test_deictic_type_is_a_ref_type_any_or_a_list(tmp_path: Path, type_: str,
+                                                  error: str | None) -> None:
+    """A deictic names what it may mean: one ref type, any, or a list of ref types (the
+    shipped "it": a path, file, url or service, the latest mentioned of them)."""
+    text = (ROOT / "rules" / "carry.yaml").read_text()
+    shipped = "type: [path, file, url, service], pick: latest}"
+    assert shipped in text
+    f = tmp_path / "carry.yaml"
+    f.write_text(text.replace(shipped, f"type: {type_}, pick: latest}}"))
+    if error is None:
+        load_carry_patterns(f)
+        return
+    with pytest.raises(RulesError, match=re.escape(error)) as exc:
+        load_carry_patterns(f)
+    assert exc.value.key.startswith("deictics[") and exc.value.key.endswith("].type")

@@ -23,7 +23,7 @@ PICKS = ("latest", "earlier", "later")
 @dataclass(frozen=True, slots=True)
 class Deictic:
     pattern: re.Pattern[str]
-    type: str  # a ref type, or "any"
+    type: str | tuple[str, ...]  # a ref type, "any", or the ref types it may mean
     pick: str  # latest | earlier | later
 
 
@@ -355,8 +355,13 @@ def load_carry_patterns(path: Path) -> CarryPatterns:
         if not isinstance(d, dict):
             raise RulesError(file, None, key, "must be {pattern, type, pick}")
         dtype, pick = d.get("type", "any"), d.get("pick", "latest")
-        if dtype != "any" and dtype not in types:
-            raise RulesError(file, None, f"{key}.type", f"unknown ref type {dtype!r}")
+        if isinstance(dtype, list):  # the ref types it may mean
+            dtype = tuple(dtype)
+            bad = [t for t in dtype if t not in types] or ([] if dtype else ["[]"])
+        else:
+            bad = [] if dtype == "any" or dtype in types else [dtype]
+        if bad:
+            raise RulesError(file, None, f"{key}.type", f"unknown ref type {bad[0]!r}")
         if pick not in PICKS:
             raise RulesError(file, None, f"{key}.pick", f"must be one of {', '.join(PICKS)}")
         deictics.append(Deictic(_compile(file, f"{key}.pattern", d.get("pattern")), dtype, pick))

@@ -299,7 +299,10 @@ class Fold:
         return list(reversed(self.by_type))
 
     def _resolve(self, d: Deictic, phrase: str, turn: int) -> bool:
-        types = [d.type] if d.type != "any" else self._types_newest_first()
+        if isinstance(d.type, tuple):  # the types it may mean, the latest mentioned first
+            types = [t for t in self._types_newest_first() if t in d.type]
+        else:
+            types = [d.type] if d.type != "any" else self._types_newest_first()
         need = 1 if d.pick == "latest" else 2
         for rtype in types:
             cands = self._latest(rtype, need)
@@ -316,7 +319,7 @@ class Fold:
                     self.dropped_candidates[other.value] = None
                     self._forget(other)
                 return True
-            if d.type != "any":
+            if isinstance(d.type, str) and d.type != "any":
                 break
         self.ambiguous[phrase] = None
         return False
