@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """memgate vs a bare aiohttp passthrough, same fast local upstream, one run (loopback only).
 
-    python tests/perf/bench_gateway.py [--seconds 3] [--baseline /work/main]
+    python tests/perf/bench_gateway.py [--seconds 3] [--baseline /work/main] [--no-key]
 
 Starts a fixed-answer upstream, a bare aiohttp passthrough and memgate (eviction
 off, then on with a budget that evicts medium and larger payloads) as separate
@@ -15,7 +15,10 @@ growing session (gateway CPU per request at turn 10 vs turn 1,000, warm) and a
 cold 1 MB history (time to first byte, nothing cached). `--baseline DIR` adds
 memgate-on run from another checkout (its `gateway` package, e.g. the main branch's)
 as `baseline-on`, measured in the same rounds, and reports memgate-on against it.
-Bounded in time; everything stops by itself.
+Every request carries `Authorization: Bearer sk-bench`, as an SDK's do: the caller is a
+tenant and its session's history is remembered; `--no-key` measures a caller without a
+key (no tenant, every request parsed and counted cold). Bounded in time; everything
+stops by itself.
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ app.router.add_route("*", "/{t:.*}", proxy)
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
 """
 SIZES = {"small": 10, "medium": 60, "large": 300, "huge": 1500}
+# what every request sends: a key, as the SDKs always do (a caller with a key is a tenant,
+# whose session the gateway remembers); --no-key drops it (no tenant: nothing is remembered)
+HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer sk-bench"}
 
 
 def free_port() -> int:
@@ -163,7 +169,7 @@ async def latency(url: str, payload: bytes, seconds: float) -> float:
         while time.perf_counter() < end:
             data = payload.replace(b"and now?", f"and now {n}?".encode())
             t0 = time.perf_counter()
-            async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+            async with s.post(url, data=data, headers=HEADERS) as r:
                 await r.read()
                 assert r.status == 200, r.status
             samples.append(time.perf_counter() - t0)
@@ -180,7 +186,7 @@ async def throughput(url: str, payload: bytes, seconds: float, conc: int = 16) -
         n = 0
         while time.perf_counter() < end:
             data = payload.replace(b"and now?", f"and now {k}-{n}?".encode())
-            async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+            async with s.post(url, data=data, headers=HEADERS) as r:
                 await r.read()
             done += 1
             n += 1
@@ -193,7 +199,7 @@ async def throughput(url: str, payload: bytes, seconds: float, conc: int = 16) -
 async def ttfb(url: str, payload: bytes) -> float:
     async with aiohttp.ClientSession() as s:
         t0 = time.perf_counter()
-        async with s.post(url, data=payload, headers={"Content-Type": "application/json"}) as r:
+        async with s.post(url, data=payload, headers=HEADERS) as r:
             await r.content.readany()
             return (time.perf_counter() - t0) * 1000
 
@@ -222,7 +228,12 @@ def main() -> None:
                     help="also memgate-on with the operator console on (console.enabled)")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="a checkout whose memgate-on is measured beside this one's")
+    ap.add_argument("--no-key", action="store_true",
+                    help="send no Authorization header: a caller without a tenant, whose "
+                         "requests the gateway remembers nothing of (each is parsed cold)")
     args = ap.parse_args()
+    if args.no_key:
+        del HEADERS["Authorization"]
     py = sys.executable
     up = Proc([py, "-c", UPSTREAM, str(port := free_port())], port)
     upstream = f"http://127.0.0.1:{up.port}"
@@ -303,7 +314,7 @@ def main() -> None:
                             h += [{"role": "user", "content": f"step {k}: /src/new{k}/m.py"},
                                   {"role": "assistant", "content": f"done {k}"}]
                             async with s.post(u, data=body(h), headers={
-                                    "X-Session-Id": f"grow-{turns}"}) as r:
+                                    **HEADERS, "X-Session-Id": f"grow-{turns}"}) as r:
                                 await r.read()
 
                 h = [dict(m, content=f"{m['content']} /src/m{i}/f{i}.py")
