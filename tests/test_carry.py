@@ -461,8 +461,8 @@ def test_first_line_is_the_stripped_texts_first_line(text: str, limit: int | Non
 
 @pytest.mark.parametrize(("type_", "error"), [
     ("[path, file]", None), ("any", None), ("path", None),
-    ("[path, time]", "unknown ref type 'time'"), ("[]", "unknown ref type '[]'"),
-    ("nope", "unknown ref type 'nope'")])
+    ("[path, time]", "got ['path', 'time']"), ("[]", "got []"), ("nope", "got 'nope'"),
+    ("[path, [x]]", "got ['path', ['x']]"), ("{a: 1}", "got {'a': 1}"), ("[any]", "got ['any']")])
 def test_deictic_type_is_a_ref_type_any_or_a_list(tmp_path: Path, type_: str,
                                                   error: str | None) -> None:
     """A deictic names what it may mean: one ref type, any, or a list of ref types (the

@@ -357,11 +357,13 @@ def load_carry_patterns(path: Path) -> CarryPatterns:
         dtype, pick = d.get("type", "any"), d.get("pick", "latest")
         if isinstance(dtype, list):  # the ref types it may mean
             dtype = tuple(dtype)
-            bad = [t for t in dtype if t not in types] or ([] if dtype else ["[]"])
+            known = bool(dtype) and all(isinstance(t, str) and t in types for t in dtype)
         else:
-            bad = [] if dtype == "any" or dtype in types else [dtype]
-        if bad:
-            raise RulesError(file, None, f"{key}.type", f"unknown ref type {bad[0]!r}")
+            known = isinstance(dtype, str) and (dtype == "any" or dtype in types)
+        if not known:
+            raise RulesError(file, None, f"{key}.type",
+                             f"must be a ref type ({', '.join(sorted(types))}), any, or a "
+                             f"non-empty list of ref types; got {d.get('type')!r}")
         if pick not in PICKS:
             raise RulesError(file, None, f"{key}.pick", f"must be one of {', '.join(PICKS)}")
         deictics.append(Deictic(_compile(file, f"{key}.pattern", d.get("pattern")), dtype, pick))
