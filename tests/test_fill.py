@@ -160,6 +160,48 @@ def test_no_fill_when_nothing_is_dropped_openers_when_nothing_matches() -> None:
     assert max(d.plan.recalled) > max(dropped_users)  # the newest went first
 
 
+def agent_loop(turns: int, question: str) -> list[dict[str, Any]]:
+    """An agent's history: each turn a short request, a tool call, a long result that
+    shares words with the question (a log search), and the answer."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You operate the shop."}]
+    for t in range(turns):
+        lines = [f"2026-11-{t + 1:02d} order {t}-{k} payment timeout retry refund"
+                 for k in range(40)]
+        msgs += [{"role": "user", "content": f"Task {t}: look into ticket T-{900 + t}."},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": f"call_{t}", "type": "function",
+                      "function": {"name": "search_logs", "arguments": f'{{"day": {t + 1}}}'}}]},
+                 {"role": "tool", "tool_call_id": f"call_{t}", "content": "\n".join(lines)},
+                 {"role": "assistant", "content": f"Ticket T-{900 + t} checked."}]
+    msgs.append({"role": "user", "content": question})
+    return msgs
+
+
+def test_fill_brings_back_what_each_tool_turn_was_asked_first() -> None:
+    """The results match the question's words and would fill the room; the short
+    request that opened each dropped tool turn comes back first (newest first, in at
+    most 3/4 of the room), so the model still sees what it was asked. Before, the
+    ranked results took the room and two of the eight requests stayed dropped (checked
+    against that order)."""
+    msgs = agent_loop(8, "Which orders had a payment timeout and were refunded?")
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+    d = decide(raw, orjson.loads(raw), chat_rules(0.4, budget=1500), TOK)
+    assert d.plan is not None and d.plan.dropped and not d.plan.over_budget
+    assert d.kept_tokens() <= 1500
+    out = orjson.loads(d.forward)["messages"]
+    requests = [m for m in msgs[:-1] if m["role"] == "user"]
+    assert all(m in out for m in requests), [m["content"] for m in requests if m not in out]
+    assert any(msgs[i]["role"] == "tool" for i in d.plan.recalled)  # the ranking still runs
+    # pairs stay whole
+    calls = {c["id"] for m in out if m.get("tool_calls") for c in m["tool_calls"]}
+    assert calls == {m["tool_call_id"] for m in out if m["role"] == "tool"}
+    # a chat (no tool turns) is ranked as before: the openings come after the ranked turns
+    chat = long_chat("What is the name of my sister's cat?")
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": chat})
+    on = decide(raw, orjson.loads(raw), chat_rules(0.5), TOK)
+    assert on.plan is not None and 7 in on.plan.recalled
+
+
 async def test_http_dropped_relevant_turn_comes_back(
     gateway: GatewayFactory, upstream: Upstream
 ) -> None:
