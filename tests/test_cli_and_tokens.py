@@ -35,9 +35,10 @@ def test_evict_table_explains_each_message() -> None:
     rows = [ln for ln in res.stdout.splitlines() if ln[:4].strip().isdigit()]
     assert len(rows) == 154
     assert "kept    pinned" in rows[1] and "dropped length" in rows[2]
-    # 72 of the dropped messages come back for the question (recall_share, README)
-    assert "messages 154 -> 99 (dropped 55)" in res.stdout and "recalled=72" in res.stdout
-    assert sum(" recalled" in r for r in rows) == 72
+    # 79 of the dropped messages come back: the tool turns' requests, then what the
+    # question is about (recall_share, README)
+    assert "messages 154 -> 106 (dropped 48)" in res.stdout and "recalled=79" in res.stdout
+    assert sum(" recalled" in r for r in rows) == 79
     assert "carry-over note (1 fields)" in res.stdout
 
 
@@ -46,7 +47,7 @@ def test_evict_json_is_the_forwarded_body() -> None:
     on = memgate("evict", "samples/chat_long_tools.json", "--json",
                  env={"MEMGATE_ENABLE_EVICTION": "1"})
     body = orjson.loads(on.stdout)
-    assert len(body["messages"]) == 99 + 1  # + the carry-over note
+    assert len(body["messages"]) == 106 + 1  # + the carry-over note
     assert body["messages"][-2]["content"].startswith("[memgate memory]")
     off = memgate("evict", "samples/chat_long_tools.json", "--json")
     original = (ROOT / "samples" / "chat_long_tools.json").read_bytes()
@@ -63,7 +64,7 @@ def test_demo_runs_offline_and_shows_before_after() -> None:
     assert "config_reload result=ok" in out
     row = next(ln for ln in out.splitlines() if ln.startswith("chat_long_tools "))
     cols = row.split()
-    assert cols[1] == "154" and cols[5] == "54" and cols[7] == "100"
+    assert cols[1] == "154" and cols[5] == "47" and cols[7] == "107"
 
 
 def test_fallback_encoding_is_explicit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
