@@ -14,7 +14,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from gateway.carry import Fold, Message, build_snapshot
+from gateway.carry import Fold, Message, Snapshot, build_snapshot, render_note
 from gateway.carry.rules import Prefilter, load_carry_patterns
 from gateway.errors import RulesError
 from gateway.mock_upstream import RECORD, create_mock_app
@@ -478,3 +478,30 @@ def test_deictic_type_is_a_ref_type_any_or_a_list(tmp_path: Path, type_: str,
     with pytest.raises(RulesError, match=re.escape(error)) as exc:
         load_carry_patterns(f)
     assert exc.value.key.startswith("deictics[") and exc.value.key.endswith("].type")
+
+
+def test_a_full_note_keeps_whole_lines_and_the_newest_confirmations() -> None:
+    """Past max_note_chars whole lines are left out, never cut: the task's fields stay,
+    then the newest confirmations (shown in the order they were confirmed), and a last
+    line counts what was left out. (The note used to be cut at max_note_chars, which
+    kept the oldest confirmations and ended mid-line.)"""
+    template = RULES.memory.carry_patterns.note if RULES.memory.carry_patterns else ""
+    confirmed = [f"Should I use format {k}? → Yes, format {k}, and keep column {k}"
+                 for k in range(40)]
+    snap = Snapshot(fields={"task_state": "in_progress", "output_file": "report.csv",
+                            "confirmed_constraints": confirmed,
+                            "refs": {"path": ["/data/orders"]}})
+    note = render_note(snap, template, 600)
+    assert note is not None and len(note) <= 600
+    lines = note.split("\n")
+    body = lines[template.split("\n").index("{lines}"):]
+    assert body[:2] == ["- task state: in_progress", "- output file: report.csv"]
+    shown = [x.removeprefix("- confirmed: ") for x in body if x.startswith("- confirmed: ")]
+    assert shown and shown == confirmed[-len(shown):]  # the newest, in their order
+    # 2 task lines, 40 confirmations and the path ref; every one not shown is counted
+    assert body[-1] == f"- ({43 - (len(body) - 1)} more left out: max_note_chars)"
+    every = {f"- confirmed: {c}" for c in confirmed} | {"- path: /data/orders"}
+    assert all(x in every for x in body[2:-1])  # whole lines only
+    # room for everything: nothing left out, nothing said about it
+    whole = render_note(snap, template, 100_000)
+    assert whole is not None and "left out" not in whole and confirmed[0] in whole

@@ -440,30 +440,53 @@ DEFAULT_NOTE = ("[memgate memory] Earlier turns of this conversation were trimme
                 "Still in force:\n{lines}")
 
 
+_LEFT_OUT = "- ({n} more left out: max_note_chars)"
+
+
 def render_note(
     snap: Snapshot | None, template: str, max_chars: int, recalled: list[str] | None = None
 ) -> str | None:
-    """The compact note injected before the current turn, or None when there is nothing."""
+    """The compact note injected before the current turn, or None when there is nothing.
+
+    Within `max_chars` lines go whole, never cut: the task's own fields first, then the
+    confirmed constraints newest first (an older one is the likelier to be superseded),
+    then refs, tool results and unchosen candidates; what does not fit is left out, and a
+    last line says how many lines were."""
     f = snap.fields if snap is not None else {}
-    lines = []
+    fixed = []
     if "task_state" in f:
-        lines.append(f"- task state: {f['task_state']}")
+        fixed.append(f"- task state: {f['task_state']}")
     if "output_file" in f:
-        lines.append(f"- output file: {f['output_file']}")
+        fixed.append(f"- output file: {f['output_file']}")
     for phrase, value in (f.get("resolved_refs") or {}).items():
-        lines.append(f"- \"{phrase}\" = {value}")
-    for c in f.get("confirmed_constraints") or []:
-        lines.append(f"- confirmed: {c}")
-    for rtype, values in (f.get("refs") or {}).items():
-        lines.append(f"- {rtype}: {', '.join(values)}")
-    for t in f.get("tool_results") or []:
-        lines.append(f"- tool result: {t}")
+        fixed.append(f"- \"{phrase}\" = {value}")
+    confirmed = [f"- confirmed: {c}" for c in f.get("confirmed_constraints") or []]
+    rest = [f"- {rtype}: {', '.join(values)}" for rtype, values in (f.get("refs") or {}).items()]
+    rest += [f"- tool result: {t}" for t in f.get("tool_results") or []]
     if f.get("dropped_candidates"):
-        lines.append(f"- not chosen: {', '.join(f['dropped_candidates'])}")
-    head = template.replace("{lines}", "\n".join(lines))[:max_chars] if lines else ""
+        rest.append(f"- not chosen: {', '.join(f['dropped_candidates'])}")
     recalled_lines = [f"- recalled: {r}" for r in recalled or []]
-    if not lines and not recalled_lines:
-        return None
-    if not lines:
-        head = template.replace("{lines}", "").rstrip()
+    every = [*fixed, *confirmed, *rest]
+    if not every:
+        return (None if not recalled_lines else
+                "\n".join([template.replace("{lines}", "").rstrip(), *recalled_lines]))
+    room = max_chars - len(template.replace("{lines}", ""))
+    if sum(len(x) + 1 for x in every) > room:
+        room -= len(_LEFT_OUT.format(n=len(every))) + 1  # the line that says so
+
+    def take(candidates: Iterable[str]) -> list[str]:
+        nonlocal room
+        out = []
+        for line in candidates:
+            if len(line) + 1 <= room:
+                out.append(line)
+                room -= len(line) + 1
+        return out
+
+    kept = take(fixed)
+    kept += reversed(take(reversed(confirmed)))  # the newest first, shown in their order
+    kept += take(rest)
+    if len(kept) < len(every):
+        kept.append(_LEFT_OUT.format(n=len(every) - len(kept)))
+    head = template.replace("{lines}", "\n".join(kept))
     return "\n".join([head, *recalled_lines]) if recalled_lines else head
