@@ -23,7 +23,7 @@ PICKS = ("latest", "earlier", "later")
 @dataclass(frozen=True, slots=True)
 class Deictic:
     pattern: re.Pattern[str]
-    type: str | tuple[str, ...]  # a ref type, "any", or the ref types it may mean
+    types: tuple[str, ...] | None  # the ref types it may mean (None: any)
     pick: str  # latest | earlier | later
 
 
@@ -354,19 +354,20 @@ def load_carry_patterns(path: Path) -> CarryPatterns:
         key = f"deictics[{i}]"
         if not isinstance(d, dict):
             raise RulesError(file, None, key, "must be {pattern, type, pick}")
-        dtype, pick = d.get("type", "any"), d.get("pick", "latest")
-        if isinstance(dtype, list):  # the ref types it may mean
-            dtype = tuple(dtype)
-            known = bool(dtype) and all(isinstance(t, str) and t in types for t in dtype)
+        given, pick = d.get("type", "any"), d.get("pick", "latest")
+        names = [given] if isinstance(given, str) else given  # one ref type, or a list
+        if given == "any":
+            dtypes = None
+        elif (isinstance(names, list) and names
+              and all(isinstance(t, str) and t in types for t in names)):
+            dtypes = tuple(names)
         else:
-            known = isinstance(dtype, str) and (dtype == "any" or dtype in types)
-        if not known:
             raise RulesError(file, None, f"{key}.type",
                              f"must be a ref type ({', '.join(sorted(types))}), any, or a "
-                             f"non-empty list of ref types; got {d.get('type')!r}")
+                             f"non-empty list of ref types; got {given!r}")
         if pick not in PICKS:
             raise RulesError(file, None, f"{key}.pick", f"must be one of {', '.join(PICKS)}")
-        deictics.append(Deictic(_compile(file, f"{key}.pattern", d.get("pattern")), dtype, pick))
+        deictics.append(Deictic(_compile(file, f"{key}.pattern", d.get("pattern")), dtypes, pick))
     ts = data.get("task_state") or {}
     note = data.get("note")
     if not isinstance(note, str) or "{lines}" not in note:

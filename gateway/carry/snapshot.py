@@ -299,10 +299,8 @@ class Fold:
         return list(reversed(self.by_type))
 
     def _resolve(self, d: Deictic, phrase: str, turn: int) -> bool:
-        if isinstance(d.type, tuple):  # the types it may mean, the latest mentioned first
-            types = [t for t in self._types_newest_first() if t in d.type]
-        else:
-            types = [d.type] if d.type != "any" else self._types_newest_first()
+        newest = self._types_newest_first()  # the types it may mean, latest mentioned first
+        types = newest if d.types is None else [t for t in newest if t in d.types]
         need = 1 if d.pick == "latest" else 2
         for rtype in types:
             cands = self._latest(rtype, need)
@@ -319,8 +317,6 @@ class Fold:
                     self.dropped_candidates[other.value] = None
                     self._forget(other)
                 return True
-            if isinstance(d.type, str) and d.type != "any":
-                break
         self.ambiguous[phrase] = None
         return False
 
