@@ -806,22 +806,20 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     # the request rarely comes back (BFCL, 4k: earlier requests kept 93.1 -> 97.8%, the
     # bound of any policy; tool content 68.0 -> 67.4%; with half the room 97.0%). The
     # ranked groups keep a quarter of the room at least. A chat has no such turns.
-    asked = _tool_turn_openings(groups, end, eligible, st,
-                                (st.max_tokens - st.tokens_used) * 3 // 4)
+    asked = _tool_turn_openings(st, eligible, (st.max_tokens - st.tokens_used) * 3 // 4)
     for candidates in (asked, ranked, openings):
         # each list stops on its own: ranked groups too big to fit do not starve the
         # short openings after them
         turns = _fill_with(st, candidates, mark, turns)
 
 
-def _tool_turn_openings(groups: Sequence[Group], end: int, eligible: Container[int],
-                        st: _State, room: int) -> Iterator[int]:
-    """The eligible opening groups of the turns before `end` that hold a tool call (a
-    group of more than one message: the call and its results), newest first, while the
-    fill has used less than `room` tokens since the first."""
-    start = st.tokens_used
+def _tool_turn_openings(st: _State, eligible: Container[int], room: int) -> Iterator[int]:
+    """The eligible opening groups of the turns before the current one that hold a tool
+    call (a group of more than one message: the call and its results), newest first,
+    while the fill has used less than `room` tokens since the first."""
+    groups, start = st.conv.groups, st.tokens_used
     tooled, turn = False, -1
-    for g in range(end - 1, -1, -1):  # a turn's groups follow its opening one
+    for g in range(st.first_current - 1, -1, -1):  # a turn's groups follow its opening one
         grp = groups[g]
         if grp.turn != turn:
             turn, tooled = grp.turn, False
