@@ -180,7 +180,7 @@ class Decision:
         view = self.view
         prev = view.prev if view is not None else None
         if (prev is not None and view is not None and 0 < view.known <= len(prev.tokens)
-                and prev.token_key == (self.counter, self.counter.factor)):
+                and prev.token_key is self.counter):
             known, theirs = view.known, prev.tokens
             counts[:known] = [n if n >= 0 else m for n, m in zip(counts[:known], theirs)]
         return counts
@@ -313,7 +313,7 @@ def _plan_into(
     if d.mode != "off" and d.skip_reason is None:
         prules = plan_rules(rules, d.budget_tokens)
         overhead = d.overhead_tokens() if d.budget_tokens is not None else 0
-        counted_by = (d.counter, d.counter.factor)  # not the session `key`
+        counted_by = d.counter  # one per encoding and factor; not the session `key`
         text_of = _text_of(wire, items)
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
                       tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by,
@@ -453,9 +453,9 @@ def _reuse_tokens(d: Decision) -> None:
     view = d.view
     assert view is not None
     n = len(d.messages)
-    token_key = (d.counter, d.counter.factor)
+    token_key = d.counter  # one per encoding and factor (Tokenizers, scaled)
     prev = view.prev
-    if prev is not None and prev.token_key == token_key and view.known:
+    if prev is not None and prev.token_key is token_key and view.known:
         d._msg_tokens = prev.tokens[: view.known] + [-1] * (n - view.known)
     else:
         d._msg_tokens = [-1] * n

@@ -43,7 +43,7 @@ class Entry:
     start: int  # the last turn start of `items`
     size: int
     tokens: list[int] = field(default_factory=list)  # per item, -1 = not counted
-    token_key: tuple[Any, float] = (None, 1.0)  # (the counter, token factor) they came from
+    token_key: Any = None  # the counter they came from (one per encoding and factor)
     fold: Fold | None = None  # carry-over fold after items[:start] (grouped messages)
     archived_upto: int = 0  # the complete turns starting before this item are archived
     # where the next body's new bytes may start: this request's record once made
