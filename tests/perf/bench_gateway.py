@@ -15,6 +15,10 @@ growing session (gateway CPU per request at turn 10 vs turn 1,000, warm) and a
 cold 1 MB history (time to first byte, nothing cached). `--baseline DIR` adds
 memgate-on run from another checkout (its `gateway` package, e.g. the main branch's)
 as `baseline-on`, measured in the same rounds, and reports memgate-on against it.
+Then the same payloads one at a time to an upstream that takes `--paced-ms` (20) to
+answer, as a model does: the gateway idles between requests and finds its caches cold,
+which is what a client of a real LLM pays (on a shared 2-core machine, 3-5x the times
+with an instant upstream).
 Every request carries `Authorization: Bearer sk-bench`, as an SDK's do: the caller is a
 tenant and its session's history is remembered; `--no-key` measures a caller without a
 key (no tenant, every request parsed and counted cold). Bounded in time; everything
@@ -45,9 +49,13 @@ REPLY = orjson.dumps({"id": "x", "object": "chat.completion", "created": 0, "mod
                       "choices": [{"index": 0, "finish_reason": "stop",
                                    "message": {"role": "assistant", "content": "ok"}}]})
 UPSTREAM = f"""
+import asyncio
 from aiohttp import web
 async def h(r):
     await r.read()
+    delay = float(r.headers.get("X-Bench-Delay-Ms", 0))  # a model's time to answer
+    if delay:
+        await asyncio.sleep(delay / 1000)
     return web.Response(body={REPLY!r}, content_type="application/json")
 app = web.Application(client_max_size=1 << 30)
 app.router.add_route("*", "/{{t:.*}}", h)
@@ -139,15 +147,15 @@ class Proc:
     def log_size(self) -> int:
         return self.log.stat().st_size if self.log is not None else 0
 
-    def overhead_ms(self, since: int) -> float:
-        """Median `overhead_ms` (time before forwarding) of the [mem] lines written after
-        byte `since` of the log."""
+    def overhead_ms(self, since: int, q: float = 0.5) -> float:
+        """The q-quantile (median by default) of `overhead_ms` (time before forwarding)
+        of the [mem] lines written after byte `since` of the log."""
         assert self.log is not None
         with self.log.open("rb") as f:
             f.seek(since)
-            vals = [ev["overhead_ms"] for ev in map(orjson.loads, f.read().splitlines())
-                    if ev.get("event") == "mem"]
-        return statistics.median(vals) if vals else float("nan")
+            vals = sorted(ev["overhead_ms"] for ev in map(orjson.loads, f.read().splitlines())
+                          if ev.get("event") == "mem")
+        return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else float("nan")
 
     def cpu_s(self) -> float:
         fields = Path(f"/proc/{self.p.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -161,15 +169,18 @@ class Proc:
             os.killpg(self.p.pid, signal.SIGKILL)
 
 
-async def latency(url: str, payload: bytes, seconds: float) -> float:
+async def latency(url: str, payload: bytes, seconds: float, delay_ms: float = 0.0) -> float:
+    """Median time to the whole answer, one request at a time; with `delay_ms` the
+    upstream takes that long to answer, as a model does (the gateway idles meanwhile)."""
     samples: list[float] = []
+    headers = {**HEADERS, "X-Bench-Delay-Ms": str(delay_ms)} if delay_ms else HEADERS
     async with aiohttp.ClientSession() as s:
         end = time.perf_counter() + seconds
         n = 0
         while time.perf_counter() < end:
             data = payload.replace(b"and now?", f"and now {n}?".encode())
             t0 = time.perf_counter()
-            async with s.post(url, data=data, headers=HEADERS) as r:
+            async with s.post(url, data=data, headers=headers) as r:
                 await r.read()
                 assert r.status == 200, r.status
             samples.append(time.perf_counter() - t0)
@@ -204,6 +215,30 @@ async def ttfb(url: str, payload: bytes) -> float:
             return (time.perf_counter() - t0) * 1000
 
 
+def paced(targets: dict[str, Proc], payloads: dict[str, bytes], delay_ms: float,
+          seconds: float, hot: dict[str, float]) -> None:
+    """One request at a time to an upstream that answers after `delay_ms`, as a model
+    does: between requests the gateway idles and the machine's other work takes its
+    caches, so each request finds them cold. What a client of a real LLM pays; the
+    table above (an upstream that answers at once, the gateway never idle) is the floor."""
+    print(f"\nLLM-paced upstream (answers after {delay_ms:g} ms, as a model does; one request"
+          " at a time): the gateway idles between requests, its caches go cold")
+    print(f"{'payload':<8} | {'on minus pt ms':>14} | {'on overhead_ms p50':>18} {'p99':>6}"
+          f" | {'with an instant upstream p50':>28}")
+    for name, payload in payloads.items():
+        lat: dict[str, float] = {}
+        on, since = targets["memgate-on"], 0
+        for t in ("passthrough", "memgate-on"):
+            url = f"http://127.0.0.1:{targets[t].port}/v1/chat/completions"
+            asyncio.run(latency(url, payload, 0.3, delay_ms))  # warm-up: out of the load phase
+            if t == "memgate-on":
+                since = on.log_size()
+            lat[t] = asyncio.run(latency(url, payload, seconds, delay_ms))
+        print(f"{name:<8} | {lat['memgate-on'] - lat['passthrough']:>+14.3f} | "
+              f"{on.overhead_ms(since):>18.3f} {on.overhead_ms(since, 0.99):>6.3f} | "
+              f"{hot.get(name, float('nan')):>28.3f}")
+
+
 def console_config(where: Path) -> Path:
     """rules/gateway.yaml (what memgate-on serves) with the console on, its files absolute."""
     import yaml
@@ -231,6 +266,8 @@ def main() -> None:
     ap.add_argument("--no-key", action="store_true",
                     help="send no Authorization header: a caller without a tenant, whose "
                          "requests the gateway remembers nothing of (each is parsed cold)")
+    ap.add_argument("--paced-ms", type=float, default=20.0,
+                    help="the paced phase's upstream answers after this long (0: no phase)")
     args = ap.parse_args()
     if args.no_key:
         del HEADERS["Authorization"]
@@ -269,6 +306,7 @@ def main() -> None:
             + " | on/pt p50  on/pt rps  on/pt cpu  off/pt p50  on pre-forward ms"
             + ("  console/on p50  rps  cpu  pre-forward ms" if args.console else "")
             + ("  on/base p50  cpu  base pre-forward ms" if args.baseline else ""))
+        hot_overhead: dict[str, float] = {}
         for name, payload in payloads.items():
             row = {}
             pre_forward = {t: float("nan") for t in targets}
@@ -284,6 +322,7 @@ def main() -> None:
                 rps = asyncio.run(throughput(url, payload, args.seconds))
                 # the target's CPU per request under load: steadier than latency on a busy box
                 row[t] = (lat, rps, (proc.cpu_s() - c0) / max(1.0, rps * args.seconds))
+            hot_overhead[name] = pre_forward["memgate-on"]
             pt_l, pt_r, pt_c = row["passthrough"]
             on_l, on_r, on_c = row["memgate-on"]
             print(f"{name:<8} {len(payload):>9} | " + " | ".join(
@@ -295,6 +334,9 @@ def main() -> None:
                    if args.console else "")
                 + (f"  {on_l / row['baseline-on'][0]:>11.2f} {on_c / row['baseline-on'][2]:>4.2f}"
                    f" {pre_forward['baseline-on']:>18.3f}" if args.baseline else ""))
+        if args.paced_ms:
+            paced(targets, payloads, args.paced_ms, args.seconds,
+                  {n: hot for n, hot in hot_overhead.items()})
         print("\ngrowing session, warm: CPU per request, each request = the previous history"
               " + one turn (5 warm-up requests, then 100 measured); every user turn names a"
               " file of its own, as an agent's do")
