@@ -64,6 +64,7 @@ class Decision:
     compacted: dict[int, list[tuple[Any, str]]] = field(default_factory=dict)
     compact_tokens: dict[int, int] = field(default_factory=dict)
     archived: dict[str, tuple[int, str]] = field(default_factory=dict)  # id -> (item, original)
+    noted: bool = False  # the carry note was built (d.note: it, or None if there is none)
 
     @property
     def messages(self) -> list[Any]:
@@ -315,19 +316,23 @@ def _plan_into(
         overhead = d.overhead_tokens() if d.budget_tokens is not None else 0
         counted_by = d.counter  # one per encoding and factor; not the session `key`
         text_of = _text_of(wire, items)
+        note_room = _note_room(d, rules, items, recalled) if d.mode == "on" else None
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
                       tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by,
-                      text_of=text_of)
+                      text_of=text_of, reserve=note_room)
         # over budget with nothing to drop: an agent loop's one long current turn
         if ((d.plan.dropped or d.plan.over_budget)
                 and "compact_tools" in rules.memory.eviction.order
                 and _compact(d, rules, archive_in)):
             d.plan = plan(d.conv, prules, d.planned_tokens, overhead_tokens=overhead,
-                          tokens_key=counted_by, text_of=text_of)
-        if d.mode == "on" and (d.plan.dropped or recalled) and _carry_note(
-                d, rules, items, recalled):
+                          tokens_key=counted_by, text_of=text_of, reserve=note_room)
+        if d.noted and not d.plan.dropped:  # the fill brought back all the stages dropped
+            d.noted, d.note, d.snapshot, d.recalled = False, None, None, []
+        if d.mode == "on" and (d.plan.dropped or recalled) and (
+                d.note is not None if d.noted else _carry_note(d, rules, items, recalled)):
             # the note is counted into the budget: plan again unless it fits the slack
-            # the cut left (with a low-water cut it usually does)
+            # the cut left (the fill left the note room when it ran: it fits, unless the
+            # stable part alone leaves too little)
             assert d.note is not None
             narrower = _minus_note(prules, d)
             if not _fits(d.plan, narrower.limits):
@@ -464,15 +469,38 @@ def _reuse_tokens(d: Decision) -> None:
         view.entry.token_key = token_key
 
 
-def _carry_note(
+def _note_room(
     d: Decision, rules: Rules, items: list[Any], recalled: list[str] | None
+) -> Callable[[], tuple[int, int, int]]:
+    """What the carry note takes of the budget (tokens, chars, messages), for the planner
+    to ask once its stages have dropped history: the note is built then (from the whole
+    history and the records recalled, not from what was dropped), so the fill leaves it
+    room and the plan does not run again for it (it did on most cut requests: the fill
+    leaves no slack). The stable part is planned under the budget without the note, so
+    the note's length does not move the cut."""
+    def room() -> tuple[int, int, int]:
+        if not d.noted:
+            _carry_note(d, rules, items, recalled, dropped=True)
+        if d.note is None:
+            return 0, 0, 0
+        return d.counter.count_pieces((d.note, 4)), len(d.note), 1
+    return room
+
+
+def _carry_note(
+    d: Decision, rules: Rules, items: list[Any], recalled: list[str] | None,
+    dropped: bool | None = None,
 ) -> bool:
     """Build the session's snapshot and the note that carries it (with any recalled
-    records); True if there is a note."""
+    records); True if there is a note. `dropped`: whether history is dropped (by default
+    what the plan says)."""
     carry, patterns = rules.memory.carry, rules.memory.carry_patterns
     if d.conv is None:
         return False
-    if carry.enabled and patterns is not None and d.plan is not None and d.plan.dropped:
+    d.noted = True
+    if dropped is None:
+        dropped = d.plan is not None and bool(d.plan.dropped)
+    if carry.enabled and patterns is not None and dropped:
         d.snapshot = _fold(d, items, patterns, carry).snapshot(carry, d.conv.groups[-1].turn,
                                                         skipped=carry.log_skipped)
     template = patterns.note if patterns is not None else DEFAULT_NOTE

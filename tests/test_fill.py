@@ -383,3 +383,52 @@ def test_every_cap_bounds_the_forward_and_the_stable_part_its_share(
         stable = [i for i, why in zip(p.kept, p.kept_by) if why != "recalled"]
         floor = [i for i, why in zip(p.kept, p.kept_by) if why in ("system", "current")]
         assert within(stable, 1.0 - share) or stable == floor  # the floor is always kept
+
+
+# what the carry note keeps (paths, files, services, urls, asks, confirmations), {k} the
+# turn: many turns, many lines of note
+NOTE_TURNS = ["check /srv/data/orders{k}.csv for last week", "yes, write it to /tmp/r{k}.md",
+              "should I export summary {k}?", "the billing-service logs are in /var/log/a{k}",
+              "analyze that file", "done, saved to out{k}.json", "cat garden weather trip",
+              "https://example.com/spec{k} has the schema"]
+
+
+def shipped(**budget: Any) -> Rules:
+    """rules/gateway.yaml (carry rules included), eviction on, these budget keys."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "rules" / "gateway.yaml").read_text(encoding="utf-8"))
+    cfg["memory"]["enable_eviction"] = True
+    cfg["memory"]["budget"].update(budget)
+    return build_rules(cfg, base_dir=ROOT / "rules")
+
+
+@given(turns=st.lists(st.sampled_from(NOTE_TURNS), min_size=3, max_size=40),
+       max_tokens=st.integers(60, 400),
+       max_messages=st.none() | st.integers(4, 30),
+       max_chars=st.none() | st.integers(400, 4000))
+@settings(max_examples=120, deadline=None)
+def test_the_carry_note_is_counted_into_every_budget(
+        turns: list[str], max_tokens: int, max_messages: int | None,
+        max_chars: int | None) -> None:
+    """With the carry note the fill leaves room for: what is forwarded, the note
+    included, is within max_tokens (the gateway's counts), max_messages and max_chars,
+    unless the floor alone is over."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+    for k, text in enumerate(turns):
+        msgs += [{"role": "user", "content": text.format(k=k)},
+                 {"role": "assistant", "content": f"ok, {text.split()[-1]} noted"}]
+    msgs.append({"role": "user", "content": "what about that file?"})
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+    rules = shipped(max_tokens=max_tokens, max_messages=max_messages, max_chars=max_chars)
+    d = decide(raw, orjson.loads(raw), rules, TOK)
+    assert d.plan is not None
+    if d.plan.over_budget:
+        return
+    sent = orjson.loads(d.forward)["messages"]
+    note = [m for m in sent if m["role"] == "system" and m["content"] == d.note]
+    assert len(note) == (d.note is not None)
+    tokens = d.overhead_tokens() + sum(d.wire.item_tokens(m, d.counter) for m in sent)
+    assert tokens <= max_tokens
+    assert max_messages is None or len(sent) <= max_messages
+    assert max_chars is None or sum(len(m["content"]) for m in sent) <= max_chars

@@ -879,6 +879,7 @@ def plan(
     tokens_upper_bound: int | None = None,
     tokens_key: Any = None,
     text_of: Callable[[int], str] | None = None,
+    reserve: Callable[[], Cost] | None = None,
 ) -> Plan:
     """Decide which messages to keep.
 
@@ -889,7 +890,10 @@ def plan(
     `tokens_key`, when given, names what `tokens_of` counts with (same key, same counts
     for the same messages): group sums are then kept on the groups for the next plan.
     `text_of(i)`, when given with a `recall_share`, gives message i's text: what the
-    fill ranks dropped history by (see fill_from_request).
+    fill ranks dropped history by (see fill_from_request). `reserve()`, when given, is
+    asked once the stages have dropped history, before the fill: what the caller will
+    add to the request then (tokens, chars, messages: the carry note), which the fill
+    leaves room for.
     """
     lim = rules.limits
     groups = conv.groups
@@ -914,6 +918,11 @@ def plan(
     if fill:
         assert text_of is not None
         st.max_tokens, st.max_chars, st.max_messages = _caps(lim)
+        if reserve is not None:
+            tokens, chars, messages = reserve()
+            st.max_tokens -= tokens
+            st.max_chars -= chars
+            st.max_messages -= messages
         fill_from_request(st, text_of)
     kept_groups: list[int] = []
     runs: list[tuple[int, int, str]] = []  # dropped groups [first, end) by one stage
