@@ -18,12 +18,27 @@ import orjson
 
 from .carry import Fold, Snapshot, render_note
 from .carry.snapshot import DEFAULT_NOTE, CarryRules
-from .conversation import META_KEY, BadMetadata, Conversation, Unplannable, read_metadata
+from .conversation import (
+    META_KEY,
+    BadMetadata,
+    Conversation,
+    Group,
+    Unplannable,
+    read_metadata,
+)
 from .errors import BadRequest, OverBudget
 from .history import HistoryCache, View, tool_results
 from .jsonbytes import Span
 from .policy import Limits, Plan, PlanRules, plan
-from .policy.compact import MARK, archive_id, compact_text, eligible, with_text
+from .policy.compact import (
+    MARK,
+    CompactRules,
+    ToolResult,
+    archive_id,
+    compact_text,
+    eligible,
+    with_text,
+)
 from .policy.fill import forward_order
 from .rules import Rules
 from .splice import Splice, spans_of
@@ -408,37 +423,107 @@ def _compact(d: Decision, rules: Rules, archive_in: str | None) -> bool:
     unread = next((i + 1 for i in range(len(items) - 1, -1, -1)
                    if role(items[i]) == "assistant"), 0)
     room = rules.store.max_chars_per_record
-    shorter: dict[int, int] = {}  # item -> characters of text its results lost
     results = tool_results(d.view, d.wire, items, rules.shortcuts_off)  # resumed per session
+    todo: dict[int, list[tuple[ToolResult, str | None]]] = {}  # item -> its results, ids
     for r in eligible(results, crules, pins, unread):
         aid = archive_id(archive_in, r.text) if archive_in and len(r.text) <= room else None
-        text = compact_text(r.text, crules, aid)
-        if text is not None:
-            d.compacted.setdefault(r.index, []).append((r.path, text))
-            shorter[r.index] = shorter.get(r.index, 0) + len(r.text) - len(text)
-            if aid is not None and MARK in text:  # excerpted, not only minified
-                d.archived[aid] = (r.index, r.text)
+        todo.setdefault(r.index, []).append((r, aid))
+    # the planner's memo (checkpoints, fill index, stable part) for compacted histories
+    # is their own, shared along the session like the client's: the same results compact
+    # the same way each request
+    shared: _Compacted = conv.memo.setdefault(("compacted",), _Compacted())
+    resume = "toolscan" not in rules.shortcuts_off  # else every item and group made anew
+    done, shared.items = shared.items if resume else {}, {}
+    shorter: dict[int, int] = {}  # item -> characters of text its results lost
+    chars, text_chars = list(conv.chars), list(conv.text_chars)
+    for i, rs in todo.items():
+        item, key = items[i], tuple((r.path, aid) for r, aid in rs)
+        hit = done.get(id(item))
+        if (hit is None or hit.item is not item or hit.key != key or hit.rules is not crules
+                or hit.counter is not d.counter):
+            hit = _compact_item(d, item, key, rs, crules)
+        shared.items[id(item)] = hit
+        if hit.subs:
+            d.compacted[i] = list(hit.subs)
+            d.compact_tokens[i], chars[i] = hit.tokens, hit.chars
+            shorter[i] = hit.lost
+            text_chars[i] -= hit.lost  # only a result's text changed: the text it lost
+            for aid, original in hit.archived:
+                d.archived[aid] = (i, original)
     if not d.compacted:
         return False
-    chars, text_chars = list(conv.chars), list(conv.text_chars)
-    for i, subs in d.compacted.items():
-        item = d.messages[i]
-        for path, text in subs:
-            item = with_text(item, path, text)
-        d.compact_tokens[i] = d.wire.item_tokens(item, d.counter)
-        chars[i] = d.wire.item_chars(item)
-        text_chars[i] -= shorter[i]  # only a result's text changed: the text it lost
-    # new groups where a size changed (the session's cached ones keep their sums); the
-    # weights stay the client's, so stepped-cut checkpoints do not move. A group's chars
-    # are the text the model reads (the max_chars budget)
-    groups = [g if not any(i in d.compacted for i in g.indices) else replace(
-        g, chars=g.chars - sum(shorter.get(i, 0) for i in g.indices),
-        tokens=-1, tokens_key=None) for g in conv.groups]
-    # the planner's memo (checkpoints) for compacted histories is their own, shared along
-    # the session like the client's: the same results compact the same way each request
+    made, shared.groups = shared.groups if resume else {}, {}
+    groups = []
+    for g in conv.groups:
+        if not any(i in d.compacted for i in g.indices):
+            groups.append(g)
+            continue
+        # a new group where a size changed (the session's cached ones keep their sums);
+        # the weights stay the client's, so stepped-cut checkpoints do not move. A group's
+        # chars are the text the model reads (the max_chars budget)
+        cut = tuple(shorter.get(i, 0) for i in g.indices)
+        was = made.get(id(g))
+        if was is not None and was[0] is g and was[1] == cut:
+            new = was[2]  # the same object as last request: the planner's memos hold
+        else:
+            new = replace(g, chars=g.chars - sum(cut), tokens=-1, tokens_key=None)
+        shared.groups[id(g)] = (g, cut, new)
+        groups.append(new)
     d.conv = replace(conv, groups=groups, chars=chars, text_chars=text_chars,
-                     memo=conv.memo.setdefault(("compacted",), {}))
+                     memo=shared.memo)
     return True
+
+
+@dataclass(slots=True)
+class _Compacted:
+    """What a session's compacted histories share from request to request: the planner's
+    memo, and each compacted group made (id of the client's group -> (that group, the
+    characters each of its items lost, the group made)), so that a history compacted as
+    before is made of the same group objects, whose memos then hold (the fill's index,
+    the stable part, the checkpoints: each resumed only while its groups are the same
+    objects). Only the current request's groups are kept."""
+
+    memo: dict[Any, Any] = field(default_factory=dict)
+    groups: dict[int, tuple[Group, tuple[int, ...], Group]] = field(default_factory=dict)
+    items: dict[int, _CompactedItem] = field(default_factory=dict)  # id of the client's item
+
+
+@dataclass(frozen=True, slots=True)
+class _CompactedItem:
+    """One item's eligible results compacted: a function of the item, which of its
+    results are eligible (their paths, archive ids), the rules and the counter, kept
+    along the session so that an item compacted before is not compacted, copied and
+    counted again on every request."""
+
+    item: Any
+    key: tuple[tuple[tuple[str | int, ...], str | None], ...]
+    rules: CompactRules
+    counter: TokenCounter
+    subs: tuple[tuple[tuple[str | int, ...], str], ...]  # (path, compacted text)
+    tokens: int  # the item's, compacted
+    chars: int
+    lost: int  # characters of text its results lost
+    archived: tuple[tuple[str, str], ...]  # (archive id, original)
+
+
+def _compact_item(d: Decision, item: Any, key: Any, results: list[tuple[ToolResult, str | None]],
+                  crules: CompactRules) -> _CompactedItem:
+    subs, archived, lost = [], [], 0
+    for r, aid in results:
+        text = compact_text(r.text, crules, aid)
+        if text is not None:
+            subs.append((r.path, text))
+            lost += len(r.text) - len(text)
+            if aid is not None and MARK in text:  # excerpted, not only minified
+                archived.append((aid, r.text))
+    tokens = chars = 0
+    if subs:
+        new = item
+        for path, text in subs:
+            new = with_text(new, path, text)
+        tokens, chars = d.wire.item_tokens(new, d.counter), d.wire.item_chars(new)
+    return _CompactedItem(item, key, crules, d.counter, tuple(subs), tokens, chars, lost,
+                          tuple(archived))
 
 
 def _forward(d: Decision, body: bytes | None) -> None:

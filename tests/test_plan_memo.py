@@ -187,10 +187,69 @@ def test_warm_path_takes_the_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
     # pinned once for both passes; recent_turns and length in both (the stable part has
     # its share of the turn cap: the full-budget pass cannot be skipped)
     assert fast[0][1] == fast[3][1] == {"pinned": 2, "length": 4}
-    # the same history again (twice): the client's history planned from the memo; the
-    # compacted one's shortened groups are new objects each request: planned again
-    assert fast[1][1] == fast[2][1] == {"pinned": 1, "length": 2}
+    # the same history again (twice): the client's history and the compacted one both
+    # planned from the memo (the compacted groups are the same objects as last request)
+    assert fast[1][1] == fast[2][1] == {}
     # scans for tool results: the whole history on first sight, then only what is new
     n = len(msgs) + 1
     assert fast[0][2] == n and [s for _, _, s in slow] == [n, n, n, n + 8]
     assert fast[1][2] == fast[2][2] == 1 and fast[3][2] == 8 + 1
+
+
+@pytest.mark.parametrize("name", ["chat", "anthropic"])
+def test_compaction_kept_along_a_session_is_what_a_cold_request_gets(name: str) -> None:
+    """The compacted items and groups a session keeps from request to request (toolscan):
+    when more of an item's or a group's results become eligible (keep_recent: the newest
+    result stays whole until the next one comes), they are compacted anew; every request
+    decides what the same request with nothing cached decides."""
+    wire, to_body = WIRES[name]
+    long = "row {k}: status ok, size 512, owner ops; " * 250  # bodies over 16 KiB: spliced
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "read both"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{k}", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+            for k in (1, 2)]},
+        {"role": "tool", "tool_call_id": "c1", "content": long.format(k=1)},
+        {"role": "tool", "tool_call_id": "c2", "content": long.format(k=2)},
+        {"role": "assistant", "content": "both read"}]
+    for t in range(3, 8):
+        msgs += [{"role": "user", "content": f"step {t}"},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": f"c{t}", "type": "function",
+                      "function": {"name": "read", "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": f"c{t}", "content": long.format(k=t)},
+                 {"role": "assistant", "content": f"done {t}"}]
+    memory = {"enable_eviction": True,
+              "budget": {"max_tokens": 200, "max_chars": None, "max_messages": None},
+              "eviction": {"order": ["pinned", "recent_turns", "compact_tools", "length"],
+                           "compact": {"min_chars": 50, "target_chars": 200, "max_line": 40,
+                                       "keep_recent": 1}}}
+    rules, tok, cache = make_rules(memory), Tokenizers(50_000), HistoryCache(1 << 24, 10)
+
+    def seen(d: Decision) -> tuple[Any, ...]:
+        assert d.conv is not None
+        return (d.plan, d.forward, d.compacted, d.compact_tokens,
+                [(g.chars, g.indices) for g in d.conv.groups])
+
+    # a request each time the model is to answer: after a user message, after the results
+    ends = [e for e in range(2, len(msgs) + 1) if msgs[e - 1]["role"] == "user"
+            or (msgs[e - 1]["role"] == "tool" and (e == len(msgs) or msgs[e]["role"] != "tool"))]
+    grew, before = False, {}
+    for end in ends:
+        raw = orjson.dumps(to_body(msgs[:end]))
+        body, src = cache.loads(raw, wire)  # as the server: the resent items are reused
+        warm = decide(raw, body, rules, tok, wire, history=cache, key=("t", "s"), spliced=src)
+        cache.remember(("t", "s"), raw, warm.payload, warm.messages, src, spans=True)
+        cold = decide(raw, orjson.loads(raw), rules, Tokenizers(50_000), wire)
+        assert seen(warm) == seen(cold)
+        assert warm.conv is not None
+        now = {}  # a group's first item -> the results compacted in it
+        for g in warm.conv.groups:
+            got = {(i, path) for i in g.indices for path, _ in warm.compacted.get(i, [])}
+            if got:
+                now[g.indices[0]] = got
+        grew = grew or (src is not None  # the resent items the same objects as before
+                        and any(k in now and was < now[k] for k, was in before.items()))
+        before = now
+    assert grew  # a group (chat) or an item (anthropic) had more of its results compacted
