@@ -332,14 +332,18 @@ def _plan_into(
         counted_by = d.counter  # one per encoding and factor; not the session `key`
         text_of = _text_of(wire, items)
         note_room = _note_room(d, rules, items, recalled) if d.mode == "on" else None
+        todo = (_compactable(d, rules, archive_in)
+                if "compact_tools" in rules.memory.eviction.order else {})
+        # with tool results to compact, this plan only tells whether the history is cut
+        # (the stages under the whole budget): it is planned again either way, so the
+        # stable part's second pass and the fill are not run for it
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
                       tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by,
-                      text_of=text_of, reserve=note_room)
+                      text_of=None if todo else text_of, reserve=None if todo else note_room)
         # over budget with nothing to drop: an agent loop's one long current turn
-        if ((d.plan.dropped or d.plan.over_budget)
-                and "compact_tools" in rules.memory.eviction.order
-                and _compact(d, rules, archive_in)):
-            d.plan = plan(d.conv, prules, d.planned_tokens, overhead_tokens=overhead,
+        if todo and (d.plan.dropped or d.plan.over_budget):
+            counts = d.planned_tokens if _compact(d, rules, todo) else d.message_tokens
+            d.plan = plan(d.conv, prules, counts, overhead_tokens=overhead,
                           tokens_key=counted_by, text_of=text_of, reserve=note_room)
         if d.noted and not d.plan.dropped:  # the fill brought back all the stages dropped
             d.noted, d.note, d.snapshot, d.recalled = False, None, None, []
@@ -409,12 +413,12 @@ def _without_bad_metadata(items: list[Any]) -> list[Any]:
     return out
 
 
-def _compact(d: Decision, rules: Rules, archive_in: str | None) -> bool:
-    """The compact_tools stage, run when the plan had to drop (or could not fit): every
-    eligible tool result compacted (each a function of its text, the rules and the
-    archiving tenant), the conversation's sizes and the planner's counts made those of
-    the compacted items; True if any was. An original the store would cut (over
-    max_chars_per_record) is not archived: the marker says so."""
+def _compactable(d: Decision, rules: Rules, archive_in: str | None
+                 ) -> dict[int, list[tuple[ToolResult, str | None]]]:
+    """The tool results compact_tools may shorten, per item, each with the archive id
+    its original is kept under (None: not archived; archived only for `archive_in`'s
+    store, and not an original the store would cut, over max_chars_per_record: the
+    marker says so)."""
     conv = d.conv
     assert conv is not None
     crules = rules.memory.eviction.compact
@@ -424,10 +428,23 @@ def _compact(d: Decision, rules: Rules, archive_in: str | None) -> bool:
                    if role(items[i]) == "assistant"), 0)
     room = rules.store.max_chars_per_record
     results = tool_results(d.view, d.wire, items, rules.shortcuts_off)  # resumed per session
-    todo: dict[int, list[tuple[ToolResult, str | None]]] = {}  # item -> its results, ids
+    todo: dict[int, list[tuple[ToolResult, str | None]]] = {}
     for r in eligible(results, crules, pins, unread):
         aid = archive_id(archive_in, r.text) if archive_in and len(r.text) <= room else None
         todo.setdefault(r.index, []).append((r, aid))
+    return todo
+
+
+def _compact(d: Decision, rules: Rules, todo: dict[int, list[tuple[ToolResult, str | None]]]
+             ) -> bool:
+    """The compact_tools stage, run when the plan had to drop (or could not fit): every
+    result of `todo` (_compactable) compacted (each a function of its text, the rules and
+    the archive id), the conversation's sizes and the planner's counts made those of
+    the compacted items; True if any was."""
+    conv = d.conv
+    assert conv is not None
+    crules = rules.memory.eviction.compact
+    items = d.messages
     # the planner's memo (checkpoints, fill index, stable part) for compacted histories
     # is their own, shared along the session like the client's: the same results compact
     # the same way each request

@@ -181,12 +181,13 @@ def test_warm_path_takes_the_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [o for o, _, _ in fast] == [o for o, _, _ in slow]
     plan = fast[0][0][1]
     assert plan.dropped and plan.recalled and fast[0][0][7]  # cut, recalled, compacted
-    # each request plans twice (compact_tools shortens old results, then plans again);
-    # the long way, each plan runs its stages in both passes
-    assert all(c == {"pinned": 4, "length": 4} for _, c, _ in slow)
-    # pinned once for both passes; recent_turns and length in both (the stable part has
-    # its share of the turn cap: the full-budget pass cannot be skipped)
-    assert fast[0][1] == fast[3][1] == {"pinned": 2, "length": 4}
+    # each request plans twice: first whether the history is cut (the stages once, under
+    # the whole budget: no fill), then, compact_tools having shortened old results, with
+    # the fill; the long way, that plan runs its stages in both passes
+    assert all(c == {"pinned": 3, "length": 3} for _, c, _ in slow)
+    # there, pinned once for both passes; recent_turns and length in both (the stable
+    # part has its share of the turn cap: the full-budget pass cannot be skipped)
+    assert fast[0][1] == fast[3][1] == {"pinned": 2, "length": 3}
     # the same history again (twice): the client's history and the compacted one both
     # planned from the memo (the compacted groups are the same objects as last request)
     assert fast[1][1] == fast[2][1] == {}
