@@ -583,10 +583,14 @@ def _note_room(
     def room() -> tuple[int, int, int]:
         if not d.noted:
             _carry_note(d, rules, items, recalled, dropped=True)
-        if d.note is None:
-            return 0, 0, 0
-        return d.counter.count_pieces((d.note, 4)), len(d.note), 1
+        return _note_cost(d) if d.note is not None else (0, 0, 0)
     return room
+
+
+def _note_cost(d: Decision) -> tuple[int, int, int]:
+    """The carry note's tokens, chars and messages, as the budget counts them."""
+    assert d.note is not None
+    return d.counter.count_pieces((d.note, 4)), len(d.note), 1
 
 
 def _carry_note(
@@ -645,13 +649,12 @@ def _fold(d: Decision, items: list[Any], patterns: Any, carry: CarryRules) -> Fo
 
 
 def _minus_note(prules: PlanRules, d: Decision) -> PlanRules:
-    assert d.note is not None
     lim = prules.limits
-    tokens = d.counter.count_pieces((d.note, 4))
+    tokens, chars, messages = _note_cost(d)
     return replace(prules, limits=Limits(
         max_tokens=None if lim.max_tokens is None else max(1, lim.max_tokens - tokens),
-        max_chars=None if lim.max_chars is None else max(1, lim.max_chars - len(d.note)),
-        max_messages=None if lim.max_messages is None else max(1, lim.max_messages - 1),
+        max_chars=None if lim.max_chars is None else max(1, lim.max_chars - chars),
+        max_messages=None if lim.max_messages is None else max(1, lim.max_messages - messages),
         max_turns=lim.max_turns,
     ))
 
