@@ -332,8 +332,7 @@ def _plan_into(
         counted_by = d.counter  # one per encoding and factor; not the session `key`
         text_of = _text_of(wire, items)
         note_room = _note_room(d, rules, items, recalled) if d.mode == "on" else None
-        todo = (_compactable(d, rules, archive_in)
-                if "compact_tools" in rules.memory.eviction.order else {})
+        todo = _compactable(d, rules) if "compact_tools" in rules.memory.eviction.order else {}
         # with tool results to compact, this plan only tells whether the history is cut
         # (the stages under the whole budget): it is planned again either way, so the
         # stable part's second pass and the fill are not run for it
@@ -342,7 +341,8 @@ def _plan_into(
                       text_of=None if todo else text_of, reserve=None if todo else note_room)
         # over budget with nothing to drop: an agent loop's one long current turn
         if todo and (d.plan.dropped or d.plan.over_budget):
-            counts = d.planned_tokens if _compact(d, rules, todo) else d.message_tokens
+            compacted = _compact(d, rules, todo, archive_in)
+            counts = d.planned_tokens if compacted else d.message_tokens
             d.plan = plan(d.conv, prules, counts, overhead_tokens=overhead,
                           tokens_key=counted_by, text_of=text_of, reserve=note_room)
         if d.noted and not d.plan.dropped:  # the fill brought back all the stages dropped
@@ -413,12 +413,8 @@ def _without_bad_metadata(items: list[Any]) -> list[Any]:
     return out
 
 
-def _compactable(d: Decision, rules: Rules, archive_in: str | None
-                 ) -> dict[int, list[tuple[ToolResult, str | None]]]:
-    """The tool results compact_tools may shorten, per item, each with the archive id
-    its original is kept under (None: not archived; archived only for `archive_in`'s
-    store, and not an original the store would cut, over max_chars_per_record: the
-    marker says so)."""
+def _compactable(d: Decision, rules: Rules) -> dict[int, list[ToolResult]]:
+    """The tool results compact_tools may shorten, per item."""
     conv = d.conv
     assert conv is not None
     crules = rules.memory.eviction.compact
@@ -426,25 +422,24 @@ def _compactable(d: Decision, rules: Rules, archive_in: str | None
     items, role = d.messages, d.wire.item_role
     unread = next((i + 1 for i in range(len(items) - 1, -1, -1)
                    if role(items[i]) == "assistant"), 0)
-    room = rules.store.max_chars_per_record
     results = tool_results(d.view, d.wire, items, rules.shortcuts_off)  # resumed per session
-    todo: dict[int, list[tuple[ToolResult, str | None]]] = {}
+    todo: dict[int, list[ToolResult]] = {}
     for r in eligible(results, crules, pins, unread):
-        aid = archive_id(archive_in, r.text) if archive_in and len(r.text) <= room else None
-        todo.setdefault(r.index, []).append((r, aid))
+        todo.setdefault(r.index, []).append(r)
     return todo
 
 
-def _compact(d: Decision, rules: Rules, todo: dict[int, list[tuple[ToolResult, str | None]]]
-             ) -> bool:
+def _compact(d: Decision, rules: Rules, todo: dict[int, list[ToolResult]],
+             archive_in: str | None) -> bool:
     """The compact_tools stage, run when the plan had to drop (or could not fit): every
     result of `todo` (_compactable) compacted (each a function of its text, the rules and
-    the archive id), the conversation's sizes and the planner's counts made those of
-    the compacted items; True if any was."""
+    the archiving tenant), the conversation's sizes and the planner's counts made those of
+    the compacted items; True if any was. An original the store would cut (over
+    max_chars_per_record) is not archived: the marker says so."""
     conv = d.conv
     assert conv is not None
     crules = rules.memory.eviction.compact
-    items = d.messages
+    items, room = d.messages, rules.store.max_chars_per_record
     # the planner's memo (checkpoints, fill index, stable part) for compacted histories
     # is their own, shared along the session like the client's: the same results compact
     # the same way each request
@@ -453,7 +448,9 @@ def _compact(d: Decision, rules: Rules, todo: dict[int, list[tuple[ToolResult, s
     done, shared.items = shared.items if resume else {}, {}
     shorter: dict[int, int] = {}  # item -> characters of text its results lost
     chars, text_chars = list(conv.chars), list(conv.text_chars)
-    for i, rs in todo.items():
+    for i, results in todo.items():
+        rs = [(r, archive_id(archive_in, r.text) if archive_in and len(r.text) <= room
+               else None) for r in results]
         item, key = items[i], tuple((r.path, aid) for r, aid in rs)
         hit = done.get(id(item))
         if (hit is None or hit.item is not item or hit.key != key or hit.rules is not crules
