@@ -80,6 +80,9 @@ class Conversation:
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     # the groups with pins, listed when first asked for (history.join extends the head's)
     pinned: list[int] | None = field(default=None, compare=False, repr=False)
+    # the groups of more than one message that a user message does not open (a tool
+    # call with its results), listed when first asked for (history.join extends them)
+    tooled: list[int] | None = field(default=None, compare=False, repr=False)
     # messages carrying a provider prompt-cache breakpoint (wires with cache_markers)
     cache_marked: list[int] = field(default_factory=list)
 
@@ -97,6 +100,15 @@ class Conversation:
         if self.pinned is None:
             self.pinned = [g for g, grp in enumerate(self.groups) if grp.pins]
         return self.pinned
+
+    @property
+    def tooled_groups(self) -> list[int]:
+        """Indices of the groups that are not a user message's and hold more than one
+        message (a tool call and its results), ascending."""
+        if self.tooled is None:
+            self.tooled = [g for g, grp in enumerate(self.groups)
+                           if not grp.is_user and len(grp.indices) > 1]
+        return self.tooled
 
 
 def content_chars(content: Any) -> int:

@@ -102,6 +102,7 @@ def join(head: Conversation, tail: Conversation, at: int) -> Conversation:
         has_metadata=head.has_metadata or tail.has_metadata,
         memo=head.memo,
         pinned=head.pinned_groups + [g + len(head.groups) for g in tail.pinned_groups],
+        tooled=head.tooled_groups + [g + len(head.groups) for g in tail.tooled_groups],
         cache_marked=head.cache_marked + [i + at for i in tail.cache_marked],
     )
 

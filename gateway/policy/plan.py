@@ -362,7 +362,7 @@ def fit_length_budget(st: _State) -> None:
     by_turn: dict[int, list[int]] = {}
     decision = st.decision
     try:  # what earlier stages decided is often a long prefix (the recent-turns cap)
-        first = decision.index(None)
+        first = decision.index(None, st.capped[0])
     except ValueError:
         first = len(decision)
     for g in range(first, len(groups)):
@@ -776,8 +776,9 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     if max_turns is not None:  # the cap counts every forwarded turn, recalled ones too: the
         # stable part was planned under its (1 - recall_share) of them (_share), the fill
         # may open new turns up to the whole cap
-        turns = len({groups[g].turn for g, d in enumerate(decision)
-                     if d is not None and d[0] == KEEP and groups[g].turn})
+        k, kept = st.capped  # groups[:k] dropped but `kept`: the rest is read
+        turns = len({groups[g].turn for g in itertools.chain(kept, range(k, len(decision)))
+                     if (d := decision[g]) is not None and d[0] == KEEP and groups[g].turn})
         if turns >= max_turns:
             # every candidate would open a turn (none is recalled yet), which the cap
             # refuses (a cap too small to share, or pins that fill it): nothing can come
@@ -816,19 +817,25 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
 def _tool_turn_openings(st: _State, eligible: Container[int], room: int) -> Iterator[int]:
     """The eligible opening groups of the turns before the current one that hold a tool
     call (a group of more than one message: the call and its results), newest first,
-    while the fill has used less than `room` tokens since the first."""
+    while the fill has used less than `room` tokens since the first. Found from the
+    tool groups (conv.tooled_groups): a chat that called a tool early is not walked."""
     groups, start = st.conv.groups, st.tokens_used
-    tooled, turn = False, -1
-    for g in range(st.first_current - 1, -1, -1):  # a turn's groups follow its opening one
-        grp = groups[g]
-        if grp.turn != turn:
-            turn, tooled = grp.turn, False
-        if not grp.is_user:
-            tooled = tooled or len(grp.indices) > 1
-        elif tooled and g in eligible:
-            if st.tokens_used - start >= room:
-                return
-            yield g
+    tooled = st.conv.tooled_groups
+    done = -1  # the turn whose openings were yielded last (turns come newest first)
+    for k in range(bisect.bisect_left(tooled, st.first_current) - 1, -1, -1):
+        h = tooled[k]  # the newest tool group of its turn: the user groups before it
+        turn = groups[h].turn
+        if turn == done:
+            continue
+        done = turn
+        for g in range(h - 1, -1, -1):  # a turn's groups are contiguous
+            grp = groups[g]
+            if grp.turn != turn:
+                break
+            if grp.is_user and g in eligible:
+                if st.tokens_used - start >= room:
+                    return
+                yield g
 
 
 def _fill_with(st: _State, candidates: Iterable[int], mark: tuple[str, str], turns: int) -> int:
