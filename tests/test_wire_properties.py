@@ -7,6 +7,7 @@ from typing import Any
 
 import orjson
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.chat import decide
 from gateway.rules import Rules, build_rules
@@ -92,6 +93,74 @@ def test_responses_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]
             assert i + 1 in kept and src[i + 1]["type"] == "function_call"
     first = next(it for it in out if it.get("role") not in ("system", "developer"))
     assert first.get("role") == "user"
+
+
+def reasoned_responses(msgs: list[dict[str, Any]], layouts: list[tuple[bool, bool]]
+                       ) -> tuple[list[dict[str, Any]], list[int | None]]:
+    """`msgs` as Responses items from a reasoning model, each tool-calling reply one
+    response: a reasoning item, then (layout: preamble) a message, then its calls, each
+    call's output right after it (layout: interleaved, the function-calling guide's
+    loop) or all after the calls; with the response each item came from (None: none)."""
+    items: list[dict[str, Any]] = []
+    resp: list[int | None] = []
+    outputs: dict[str, dict[str, Any]] = {}
+    for m in msgs:
+        if m["role"] == "tool":
+            out = {"type": "function_call_output", "call_id": m["tool_call_id"],
+                   "output": m["content"]}
+            if m["tool_call_id"] in outputs:  # placed after its call already
+                outputs[m["tool_call_id"]].update(out)
+            else:
+                items.append(out)
+                resp.append(None)
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            r = len(items)
+            preamble, interleaved = layouts[r % len(layouts)]
+            items.append({"type": "reasoning", "id": f"rs_{r}", "summary": [],
+                          "encrypted_content": "gAAAA" + "x" * 40})
+            resp.append(r)
+            if preamble:
+                items.append({"type": "message", "role": "assistant", "content": m["content"]
+                              or "Let me check."})
+                resp.append(r)
+            for c in m["tool_calls"]:
+                items.append({"type": "function_call", "id": f"fc_{c['id']}",
+                              "call_id": c["id"], "name": c["function"]["name"],
+                              "arguments": c["function"]["arguments"]})
+                resp.append(r)
+                if interleaved:
+                    outputs[c["id"]] = {}
+                    items.append(outputs[c["id"]])
+                    resp.append(None)
+        else:
+            items.append({"type": "message", "role": m["role"], "content": m["content"]})
+            resp.append(None)
+    return items, resp
+
+
+@given(msgs=conversation(), memory=memory_rules(),
+       layouts=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=4))
+@settings()
+def test_responses_reasoning_stays_with_its_response(
+    msgs: list[dict[str, Any]], memory: dict[str, Any], layouts: list[tuple[bool, bool]]
+) -> None:
+    """A reasoning model's response (its reasoning item, a preamble message, its calls,
+    however the client placed the outputs) is forwarded whole or not at all: the API
+    refuses an item sent without its reasoning item, and a reasoning item without the
+    item after it; call_id pairs stay whole."""
+    items, resp = reasoned_responses(msgs, layouts)
+    body = {"model": "gpt-5", "instructions": "Be brief.", "input": items}
+    raw = orjson.dumps(body)
+    d = decide(raw, orjson.loads(raw), make_rules(memory), TOK, OPENAI_RESPONSES)
+    assert d.plan is not None, d.skip_reason
+    out = orjson.loads(d.forward)["input"]
+    assert out == [items[i] for i in d.forwarded()]
+    kept = set(d.plan.kept)
+    for r in set(resp) - {None}:
+        members = {i for i, x in enumerate(resp) if x == r}
+        assert members <= kept or not members & kept, (r, sorted(members & kept))
+    calls = {it["call_id"] for it in out if it["type"] == "function_call"}
+    assert calls == {it["call_id"] for it in out if it["type"] == "function_call_output"}
 
 
 def test_responses_server_state_is_measured_not_evicted() -> None:

@@ -3,9 +3,14 @@
 `instructions` is the system part. Message items with role user open turns;
 system/developer messages are fixed. A `function_call` and the
 `function_call_output` with its `call_id` are one group; consecutive calls of
-one response share a group; a `reasoning` item stays with the call or message
-it precedes. An `item_reference` (an item the server stored, sent by id) is
-the stand-in of what it refers to: it stays with what follows it, like
+one response share a group; a `reasoning` item and the items of its response
+after it (messages and calls up to the next reasoning item or user message, and
+the results between them) are one group: the API refuses a response's item sent
+back without its reasoning item (400 "... was provided without its required
+'reasoning' item"), and a response may hold a preamble message and several calls,
+each call's result appended right after it. An `item_reference` (an item the
+server stored, sent by id) is the stand-in of what it refers to: it stays with
+what follows it, like
 reasoning, and a `function_call_output` whose call is not in the list pairs
 with the references of its turn (which one is the call cannot be told: all
 of them, and what lies between, are one group). Item types the gateway does
@@ -82,6 +87,19 @@ def parse(items: list[Any], prefix: str, min_score: float,
     open_calls: dict[str, int] = {}
     refs_from: int | None = None  # the group of this turn's first item reference
     lead_in = False  # the last group holds only reasoning / references: it joins what follows
+    reasoned: int | None = None  # the group of this turn's last reasoning item
+
+    def with_reasoning() -> bool:
+        """Join the group of the last reasoning item (its response's): True if joined."""
+        nonlocal refs_from
+        if reasoned is None:
+            return False
+        if reasoned != len(groups) - 1:
+            merge_into(groups, reasoned, open_calls)
+            if refs_from is not None and refs_from > reasoned:
+                refs_from = reasoned
+        return True
+
     for i, it in enumerate(items):
         if not isinstance(it, dict):
             raise Unplannable("message_not_object")
@@ -105,10 +123,10 @@ def parse(items: list[Any], prefix: str, min_score: float,
                 continue
             if role == "user":
                 turn += 1
-                open_calls, refs_from = {}, None
+                open_calls, refs_from, reasoned = {}, None, None
                 groups.append(Group([i], turn, True))
             elif role == "assistant":
-                if lead_in:
+                if with_reasoning() or lead_in:
                     groups[-1].indices.append(i)
                 else:
                     groups.append(Group([i], turn, False))
@@ -121,7 +139,7 @@ def parse(items: list[Any], prefix: str, min_score: float,
                 raise Unplannable("tool_call_without_id")
             prev = items[i - 1] if i else None
             joins = lead_in or (isinstance(prev, dict) and item_type(prev) in CALLS)
-            if joins and groups:
+            if (with_reasoning() or joins) and groups:
                 groups[-1].indices.append(i)
             else:
                 groups.append(Group([i], turn, False))
@@ -141,6 +159,8 @@ def parse(items: list[Any], prefix: str, min_score: float,
                     merge_into(groups, g, open_calls)
                     if refs_from is not None and refs_from > g:
                         refs_from = g
+                    if reasoned is not None and reasoned > g:
+                        reasoned = g
                 groups[-1].indices.append(i)
             lead_in = False
         elif t in ("reasoning", REFERENCE):
@@ -150,6 +170,8 @@ def parse(items: list[Any], prefix: str, min_score: float,
                 groups.append(Group([i], turn, False))
             if t == REFERENCE and refs_from is None:
                 refs_from = len(groups) - 1
+            if t == "reasoning":
+                reasoned = len(groups) - 1
             lead_in = True
         else:  # unknown item types stay with their neighbour
             if groups:
