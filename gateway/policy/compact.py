@@ -20,6 +20,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import orjson
@@ -32,6 +33,8 @@ _WORDS = ("error", "warn", "fail", "exception", "traceback", "fatal", "denied", 
 _ERROR = re.compile("|".join(_WORDS), re.IGNORECASE)
 # JSON whitespace outside strings (strings matched whole, so theirs stays)
 _JSON_WS = re.compile(r'("(?:[^"\\]|\\.)*")|[ \t\n\r]+', re.DOTALL)
+# of a JSON text: its keys (a string and a colon) and its numbers as spelled, in order
+_JSON_KEYS_NUMBERS = re.compile(r'"(?:[^"\\]|\\.)*"(\s*:)?|(-?[0-9][0-9.eE+-]*)', re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +113,12 @@ def _compact_text(text: str, rules: CompactRules, archived_as: str | None) -> st
             minified = _JSON_WS.sub(lambda m: m.group(1) or "", text)
             if len(minified) <= rules.target_chars:
                 return minified if minified != text else None
-        out = _Shrink(rules)
-        body = orjson.dumps(out.value(value[0])).decode()
-        what = out.said()
+        if _written_back(text, value[0]):
+            out = _Shrink(rules)
+            body = orjson.dumps(out.value(value[0])).decode()
+            what = out.said()
+        else:  # written from its parse it would say other numbers or lose a key: a text
+            body, what = _lines(text, rules)
     else:
         body, what = _lines(text, rules)
     if len(body) >= len(text):
@@ -123,8 +129,7 @@ def _compact_text(text: str, rules: CompactRules, archived_as: str | None) -> st
 
 
 def _json(text: str) -> tuple[Any] | None:
-    """(the parse,) of a JSON object or array text, None otherwise (big integers orjson
-    cannot read make it a text)."""
+    """(the parse,) of a JSON object or array text, None otherwise."""
     head = text.lstrip()[:1]
     if head not in ("{", "["):
         return None
@@ -132,6 +137,31 @@ def _json(text: str) -> tuple[Any] | None:
         return (orjson.loads(text),)
     except orjson.JSONDecodeError:
         return None
+
+
+def _written_back(text: str, value: Any) -> bool:
+    """Does orjson write `value` (the parse of `text`) back with the same keys and every
+    number the same number (1E5 may say 100000.0)? Not when a key repeats (the parse
+    keeps the last one), nor for an integer past 64 bits (read as a float:
+    12345678901234567890123 would say 1.2345678901234568e+22) or a decimal past a
+    double's digits (0.1000000000000000055511151231257827 would say 0.1): an excerpt
+    built from the parse would show the tool saying what it did not."""
+    def said(s: str) -> list[str]:  # ":" for a key, a number as spelled
+        return [n or ":" for m in _JSON_KEYS_NUMBERS.finditer(s)
+                if (n := m.group(2)) or m.group(1) is not None]
+
+    try:
+        back, orig = said(orjson.dumps(value).decode()), said(text)
+    except orjson.JSONEncodeError:
+        return False
+    if back == orig:
+        return True
+    try:
+        return len(back) == len(orig) and all(
+            a == b or (":" not in (a, b) and Decimal(a) == Decimal(b))
+            for a, b in zip(back, orig))
+    except InvalidOperation:
+        return False
 
 
 def _may_hold_error(text: str) -> bool:
@@ -154,8 +184,11 @@ def _cut(s: str, limit: int) -> tuple[str, int]:
 
 
 def _lines(text: str, rules: CompactRules) -> tuple[str, str]:
-    """Head, tail and error lines of a text, each run of omitted lines marked in place."""
-    lines = text.splitlines()
+    """Head, tail and error lines of a text, each run of omitted lines marked in place.
+    Lines end at "\n" only: a kept line keeps its "\r", form feed or other separator."""
+    lines = text.split("\n")
+    if len(lines) > 1 and not lines[-1]:  # a final newline ends the last line
+        lines.pop()
     n = len(lines)
     keep = set(range(min(n, rules.head_lines))) | set(range(max(0, n - rules.tail_lines), n))
     errors = [i for i in range(n) if i not in keep and _ERROR.search(lines[i])]
