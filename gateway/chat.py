@@ -326,6 +326,7 @@ def _plan_into(
             return d
         d.conv.has_metadata = True  # the bad blocks are cut out of the forward too
     d.conv.outside_chars = wire.fixed_chars(payload)
+    d.conv.current = _input_began(d.conv, wire, items)
     if d.mode != "off" and d.skip_reason is None:
         prules = plan_rules(rules, d.budget_tokens)
         overhead = d.overhead_tokens() if d.budget_tokens is not None else 0
@@ -674,13 +675,33 @@ def _fits(p: Plan, lim: Limits) -> bool:
     )
 
 
+def _input_began(conv: Conversation, wire: Wire, items: list[Any]) -> int | None:
+    """The turn where the caller's input since the model's last reply began, when that is
+    before the last turn: Anthropic merges consecutive user messages into one turn (a
+    document, then the question about it; tool results, then a new instruction), and a
+    model answers all of a chat's user messages since its reply. None: the last turn."""
+    k = len(items)
+    while k and wire.continues_input(items[k - 1]):
+        k -= 1
+    if k == len(items):
+        return None
+    groups = conv.groups
+    for g in range(len(groups) - 1, -1, -1):  # the group holding item k
+        grp = groups[g]
+        if grp.indices[0] <= k:
+            return grp.turn if grp.turn < conv.n_turns else None
+    return None
+
+
 def current_turn_start(conv: Conversation | None) -> int | None:
-    """The first message of the current turn's groups (groups are in turn order)."""
+    """The first message of the current turn's groups (groups are in turn order; with
+    the input begun in an earlier turn, from that turn on)."""
     if conv is None:
         return None
     start = None
+    first = conv.first_current_turn
     for g in reversed(conv.groups):
-        if g.turn != conv.n_turns:
+        if g.turn < first:
             break
         start = g.indices[0] if start is None else min(start, g.indices[0])
     return start

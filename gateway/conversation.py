@@ -85,6 +85,15 @@ class Conversation:
     tooled: list[int] | None = field(default=None, compare=False, repr=False)
     # messages carrying a provider prompt-cache breakpoint (wires with cache_markers)
     cache_marked: list[int] = field(default_factory=list)
+    # the first turn of the caller's input since the model's last reply, when that input
+    # began before the last turn (a document sent as its own user message, then the
+    # question): those turns are all current (None: the last turn alone)
+    current: int | None = None
+
+    @property
+    def first_current_turn(self) -> int:
+        """The first turn never evicted: the current one, or where the input began."""
+        return self.n_turns if self.current is None else self.current
 
     @property
     def total_chars(self) -> int:

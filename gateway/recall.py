@@ -81,7 +81,7 @@ def turns_of(d: Decision, since: int = 0) -> list[TurnText]:
     gone: dict[int, bool] = {}
     for g in range(g0, len(groups)):
         grp = groups[g]
-        if not 0 < grp.turn < conv.n_turns or grp.turn == started_before:
+        if not 0 < grp.turn < conv.first_current_turn or grp.turn == started_before:
             continue
         by_turn.setdefault(grp.turn, []).extend(grp.indices)
         gone[grp.turn] = gone.get(grp.turn, True) and dropped is not None and dropped.covers(g)

@@ -49,8 +49,12 @@ def assert_dropped_listing(p: Plan) -> None:
 
 
 def current_turn_start(msgs: list[dict[str, Any]]) -> int:
-    users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
-    return users[-1]
+    """Where the caller's input since the model's last reply begins: the run of user
+    messages that ends the list (a document, then the question), else the last one."""
+    k = len(msgs)
+    while k and msgs[k - 1]["role"] == "user":
+        k -= 1
+    return k if k < len(msgs) else [i for i, m in enumerate(msgs) if m["role"] == "user"][-1]
 
 
 @given(msgs=conversation(), memory=memory_rules())

@@ -49,9 +49,14 @@ def test_anthropic_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]
     assert set(d.plan.kept) | {i for i, _ in d.plan.dropped} == set(range(len(src)))
     assert d.cache_marker_dropped == any(  # from the parse's list of marked messages
         ANTHROPIC_MESSAGES.has_cache_marker(src[i]) for i, _ in d.plan.dropped)
-    last_user = max(i for i, m in enumerate(src) if m["role"] == "user" and not any(
+    # the caller's input since the model's last reply (the user messages ending the list,
+    # tool results too) is one turn for the API, from the user message opening it
+    run = len(src)
+    while run and src[run - 1]["role"] == "user":
+        run -= 1
+    opener = max(i for i, m in enumerate(src[: run + 1]) if m["role"] == "user" and not any(
         b.get("type") == "tool_result" for b in m["content"]))
-    assert set(range(last_user, len(src))) <= set(d.plan.kept)
+    assert set(range(opener, len(src))) <= set(d.plan.kept)
     uses = {b["id"] for m in out["messages"] for b in m["content"] if b["type"] == "tool_use"}
     results = {b["tool_use_id"] for m in out["messages"] for b in m["content"]
                if b["type"] == "tool_result"}

@@ -591,7 +591,8 @@ def _start(
     )
     st.tokens_used = fixed_tokens
     first_current = len(groups)
-    while first_current and groups[first_current - 1].turn == conv.n_turns:
+    first_turn = conv.first_current_turn
+    while first_current and groups[first_current - 1].turn >= first_turn:
         first_current -= 1
     st.first_current = first_current
     current = range(first_current, len(groups))

@@ -56,6 +56,12 @@ class Wire:
         afresh there, which is what lets a growing history be parsed piecewise."""
         return isinstance(item, dict) and item.get("role") == "user"
 
+    def continues_input(self, item: Any) -> bool:
+        """Is this item the caller's (a user message, a wire's tool results sent as one)?
+        The run of them that ends the list is the input since the model's last reply,
+        all of it the current turn."""
+        return isinstance(item, dict) and item.get("role") == "user"
+
     def item_chars(self, item: Any) -> int:
         raise NotImplementedError
 
