@@ -375,15 +375,18 @@ def _plan_into(
         d.cache_marker_dropped = wire.cache_markers and any(
             not _holds(kept, i) for i in d.conv.cache_marked)
     if d.mode == "on" and d.plan is not None and (d.plan.dropped or d.note or d.compacted):
-        marker_at = None
+        marker_at, ttl = None, None
         if d.cache_marker_dropped and rules.memory.eviction.move_cache_marker:
             marker_at = _end_of_stable_prefix(d.conv, d.plan)
+            ttl = _moved_ttl(d, marker_at) if marker_at is not None else None
+            if ttl is None:
+                marker_at = None
             d.cache_marker_moved = marker_at is not None
         stable, moved, before = d.placement()
         _forward(d, wire.build_body(raw, payload, stable, marker_at, d.note, before,
                                     d.conv.has_metadata,
                                     {i: d.compacted[i] for i in d.plan.kept if i in d.compacted},
-                                    moved, _known_spans(d, rules)))
+                                    moved, _known_spans(d, rules), marker_ttl=ttl or "5m"))
     elif d.conv.has_metadata:
         # gateway metadata is ours: upstreams never see it, whatever the mode
         _forward(d, wire.build_body(raw, payload, list(range(len(items))),
@@ -714,6 +717,30 @@ def _end_of_stable_prefix(conv: Conversation, p: Plan) -> int | None:
     recalled = set(p.recalled)
     before = [i for i in p.kept if i < start and i not in recalled]
     return before[-1] if before else None
+
+
+def _moved_ttl(d: Decision, at: int) -> str | None:
+    """The lifetime of the breakpoint move_cache_marker puts on item `at` (the end of the
+    stable prefix): a dropped one's ("1h" if one was), where the order of the forwarded
+    breakpoints stays valid (Anthropic refuses a 1-hour entry after a 5-minute one);
+    None: no move (`at` is marked already, or neither lifetime fits there)."""
+    assert d.plan is not None and d.conv is not None
+    ttls = d.wire.cache_ttls
+    items = d.messages
+    if ttls(items[at]):
+        return None
+    order = d.forwarded()
+    k = order.index(at)
+    before = {t for i in order[:k] for t in ttls(items[i])}
+    after = {t for i in order[k + 1:] for t in ttls(items[i])}
+    kept = set(d.plan.kept)
+    dropped = {t for i in d.conv.cache_marked if i not in kept for t in ttls(items[i])}
+    if not before | after | dropped <= {"5m", "1h"}:  # a lifetime the rule does not know
+        return None
+    for ttl in (("1h", "5m") if "1h" in dropped else ("5m", "1h")):
+        if (ttl == "1h" and "5m" not in before) or (ttl == "5m" and "1h" not in after):
+            return ttl
+    return None
 
 
 def _bytes_bound(raw: bytes, d: Decision) -> int:

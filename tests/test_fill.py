@@ -432,3 +432,33 @@ def test_the_carry_note_is_counted_into_every_budget(
     assert tokens <= max_tokens
     assert max_messages is None or len(sent) <= max_messages
     assert max_chars is None or sum(len(m["content"]) for m in sent) <= max_chars
+
+
+def test_recall_leaves_messages_with_a_cache_breakpoint_dropped() -> None:
+    """A dropped message carrying an Anthropic cache breakpoint is not recalled, not even
+    as the opening of a recalled reply's turn: moved after the stable prefix, the client's
+    1-hour breakpoint would follow its 5-minute one, which the API refuses (1h entries
+    must come first). Nor is the rest of its turn (kept history starts each turn with
+    its user message)."""
+    from gateway.wire.anthropic_messages import ANTHROPIC_MESSAGES
+
+    filler = " lorem ipsum dolor sit amet" * 60
+    msgs: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "My aquarium pump is the XK-42."
+                                      + filler, "cache_control": {"type": "ephemeral",
+                                                                  "ttl": "1h"}}]},
+        {"role": "assistant", "content": "Noted: the zebrafish aquarium pump XK-42." + filler}]
+    for t in range(8):
+        msgs += [{"role": "user", "content": f"unrelated question {t}" + filler},
+                 {"role": "assistant", "content": [{"type": "text",
+                                                    "text": f"answer {t}" + filler}]}]
+    msgs[-1]["content"][0]["cache_control"] = {"type": "ephemeral"}  # 5 minutes
+    msgs.append({"role": "user", "content": "Which zebrafish aquarium pump did I mention?"})
+    raw = orjson.dumps({"model": "claude-sonnet-4-5", "max_tokens": 1024, "messages": msgs})
+    d = decide(raw, orjson.loads(raw), shipped(max_tokens=2500), TOK, ANTHROPIC_MESSAGES)
+    assert d.plan is not None and d.plan.dropped
+    out = orjson.loads(d.forward)["messages"]
+    ttls = [b["cache_control"].get("ttl", "5m") for m in out if isinstance(m["content"], list)
+            for b in m["content"] if "cache_control" in b]
+    assert ttls == ["5m"], ttls
+    assert 0 not in d.plan.kept and 1 not in d.plan.kept

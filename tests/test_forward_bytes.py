@@ -365,9 +365,9 @@ async def test_metadata_is_cut_and_nothing_else(
 
 
 def test_cache_marker_is_put_into_the_block_bytes() -> None:
-    """The moved cache breakpoint: a block gets the key inserted (or its value set), a
-    string content becomes one text block around the client's string bytes; the other
-    bytes of that message are the client's."""
+    """The moved cache breakpoint: a block gets the key inserted (one the client marked
+    keeps its own), a string content becomes one text block around the client's string
+    bytes; the other bytes of that message are the client's."""
     wire = WIRES["messages"]
     items = [
         b'{"role": "user", "content": "caf\\u00e9"}',
@@ -386,13 +386,15 @@ def test_cache_marker_is_put_into_the_block_bytes() -> None:
         1: b'{"role": "assistant", "content": [ {"type": "text", "text": "a",'
            b'"cache_control":{"type":"ephemeral"}} , {"type": "thinking", "thinking": "t",'
            b' "signature": "s"} ]}',
-        2: b'{"role": "user", "content": [{"type": "text", "text": "b", "cache_control":'
-           b' {"type":"ephemeral"}}]}',
+        2: items[2],
         3: b'{"role": "user", "content": [{"cache_control":{"type":"ephemeral"}}]}',
     }
     for at, want in marked.items():
         fwd = wire.build_body(raw, payload, [at, 4], marker_at=at)
         assert fwd == b'{"messages": [' + want + b", " + items[4] + b"]}"
+    fwd = wire.build_body(raw, payload, [1, 4], marker_at=1, marker_ttl="1h")
+    assert fwd == (b'{"messages": [' + marked[1].replace(
+        b'{"type":"ephemeral"}', b'{"type":"ephemeral","ttl":"1h"}') + b", " + items[4] + b"]}")
 
 
 def test_responses_string_input_gets_the_note_around_its_bytes() -> None:

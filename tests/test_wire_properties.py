@@ -49,6 +49,10 @@ def test_anthropic_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]
     assert set(d.plan.kept) | {i for i, _ in d.plan.dropped} == set(range(len(src)))
     assert d.cache_marker_dropped == any(  # from the parse's list of marked messages
         ANTHROPIC_MESSAGES.has_cache_marker(src[i]) for i, _ in d.plan.dropped)
+    # breakpoints keep their order (recall moves no marked message): a client's valid
+    # order of TTLs (1h entries before 5m ones) stays valid
+    marked = [i for i in d.forwarded() if ANTHROPIC_MESSAGES.has_cache_marker(src[i])]
+    assert marked == sorted(marked)
     # the caller's input since the model's last reply (the user messages ending the list,
     # tool results too) is one turn for the API, from the user message opening it
     run = len(src)

@@ -7,6 +7,7 @@ from typing import Any
 import anthropic
 import openai
 import orjson
+import pytest
 
 from .conftest import SECRET, GatewayFactory, Upstream
 
@@ -86,6 +87,46 @@ async def test_anthropic_cache_marker_moved_when_configured(
     recalled = int(ev.get("recalled", 0))
     assert marked == [len(msgs) - 2 - recalled]
     assert ev["cache_marker"] == "moved"
+
+
+def breakpoint_ttls(msgs: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    return [(i, b["cache_control"].get("ttl", "5m")) for i, m in enumerate(msgs)
+            if isinstance(m["content"], list) for b in m["content"] if "cache_control" in b]
+
+
+@pytest.mark.parametrize("case", ["dropped 1h", "target marked"])
+async def test_anthropic_moved_marker_keeps_the_lifetimes_valid(
+    gateway: GatewayFactory, upstream: Upstream, case: str
+) -> None:
+    """The re-placed breakpoint lives as long as the dropped one (1h), never overwrites
+    one the client put on the target, and the forwarded lifetimes stay in the order
+    Anthropic requires (1-hour entries before 5-minute ones)."""
+    gw = await gateway(memory={"enable_eviction": True,
+                               "budget": {"max_tokens": 3000, "max_chars": None,
+                                          "max_messages": None, "max_turns": None},
+                               "eviction": {"move_cache_marker": True, "recall_share": 0.0}})
+    history = long_anthropic_history()
+    history[1]["content"][0]["cache_control"] = {"type": "ephemeral", "ttl": "1h"}
+    history[-1] = {"role": "user", "content": [{"type": "text", "text": "Summarise.",
+                                                "cache_control": {"type": "ephemeral",
+                                                                  "ttl": "1h"}}]}
+    if case == "target marked":  # the last reply before the current turn: a 5m breakpoint
+        history[-2] = {"role": "assistant", "content": [
+            {"type": "text", "text": "Read file 29.", "cache_control": {"type": "ephemeral"}}]}
+        history[-1]["content"][0]["cache_control"] = {"type": "ephemeral"}
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key=SECRET, max_retries=0) as c:
+        await c.messages.create(model="claude-3-5-haiku-20241022", max_tokens=100,
+                                messages=history)
+    msgs = orjson.loads(upstream.received[-1]["raw"])["messages"]
+    ev = gw.mem_events()[-1]
+    ttls = [t for _, t in breakpoint_ttls(msgs)]
+    assert "1h" not in ttls[ttls.index("5m"):] if "5m" in ttls else True, ttls
+    if case == "dropped 1h":
+        assert breakpoint_ttls(msgs) == [(len(msgs) - 2, "1h"), (len(msgs) - 1, "1h")]
+        assert ev["cache_marker"] == "moved"
+    else:  # the client's breakpoints as sent, nothing added
+        assert msgs[-2:] == history[-2:]
+        assert ttls == ["5m", "5m"] and ev.get("cache_marker") != "moved"
 
 
 async def test_anthropic_sdk_stream(gateway: GatewayFactory, upstream: Upstream) -> None:

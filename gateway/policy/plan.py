@@ -737,21 +737,36 @@ class _Eligible:
 
     st: _State
     end: int
+    marked: frozenset[int] = frozenset()
 
     def __contains__(self, g: object) -> bool:
-        if not isinstance(g, int) or not 0 <= g < self.end:
+        if not isinstance(g, int) or not 0 <= g < self.end or g in self.marked:
             return False
         d = self.st.decision[g]
         return d is not None and d[0] == DROP and self.st.conv.groups[g].turn > 0
 
 
-def _eligible(st: _State, end: int) -> Container[int]:
-    """The fill's candidates (see _Eligible) as a set, so that the ranking's many tests
-    are C-level: the dropped prefix is a range, only the groups after it are read. Taken
-    before the fill starts: a group it recalls stays in the set, and the fill passes it
-    over as no longer dropped, as _Eligible would have left it out."""
+def _cache_marked_groups(conv: Conversation, end: int) -> frozenset[int]:
+    """The groups before `end` holding a message with a prompt-cache breakpoint. The fill
+    leaves them dropped: moved after the stable prefix, a client's 1-hour breakpoint
+    could follow a 5-minute one, which Anthropic refuses (1h entries must come first)."""
+    groups = conv.groups
+    out = set()
+    for i in conv.cache_marked:
+        g = bisect.bisect_right(groups, i, 0, end, key=lambda grp: grp.indices[0]) - 1
+        if 0 <= g and i in groups[g].indices:
+            out.add(g)
+    return frozenset(out)
+
+
+def _eligible(st: _State, end: int, marked: frozenset[int]) -> Container[int]:
+    """The fill's candidates (see _Eligible; not the `marked` groups) as a set, so that
+    the ranking's many tests are C-level: the dropped prefix is a range, only the groups
+    after it are read. Taken before the fill starts: a group it recalls stays in the
+    set, and the fill passes it over as no longer dropped, as _Eligible would have left
+    it out."""
     if "recallscan" in st.rules.shortcuts_off:
-        return _Eligible(st, end)
+        return _Eligible(st, end, marked)
     groups, decision = st.conv.groups, st.decision
     lo = bisect.bisect_left(groups, 1, 0, end, key=lambda grp: grp.turn)  # past turn 0
     k, kept = st.capped
@@ -760,6 +775,7 @@ def _eligible(st: _State, end: int) -> Container[int]:
     out.difference_update(kept)
     out.update(g for g in range(max(lo, k), end)
                if (d := decision[g]) is not None and d[0] == DROP)
+    out.difference_update(marked)
     return out
 
 
@@ -793,7 +809,8 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     # the system part's terms are every request's: they say nothing about what to recall
     common = fill.common_terms("\n".join(text_of(i) for i in conv.fixed)) if conv.fixed else ()
     mark = _mark(KEEP, "recalled")
-    eligible = _eligible(st, end)  # dropped groups of complete turns
+    marked = _cache_marked_groups(conv, end) if conv.cache_marked else frozenset()
+    eligible = _eligible(st, end, marked)  # dropped groups of complete turns
     ranked = fill.rank(idx, query, eligible, common)
     # then what was asked in the other dropped turns, newest first: a turn's opening
     # message is short and says what the turn was for (BFCL, 4k: +0.5 points of the
@@ -812,7 +829,7 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     for candidates in (asked, ranked, openings):
         # each list stops on its own: ranked groups too big to fit do not starve the
         # short openings after them
-        turns = _fill_with(st, candidates, mark, turns)
+        turns = _fill_with(st, candidates, mark, turns, marked)
 
 
 def _tool_turn_openings(st: _State, eligible: Container[int], room: int) -> Iterator[int]:
@@ -839,9 +856,11 @@ def _tool_turn_openings(st: _State, eligible: Container[int], room: int) -> Iter
                 yield g
 
 
-def _fill_with(st: _State, candidates: Iterable[int], mark: tuple[str, str], turns: int) -> int:
-    """Bring back the candidates (each with its turn's opening message) that fit, until
-    _FILL_MISSES in a row did not; the number of turns kept after it."""
+def _fill_with(st: _State, candidates: Iterable[int], mark: tuple[str, str], turns: int,
+               marked: frozenset[int] = frozenset()) -> int:
+    """Bring back the candidates (each with its turn's opening message, unless that is
+    one of the `marked` groups) that fit, until _FILL_MISSES in a row did not; the
+    number of turns kept after it."""
     decision, max_turns = st.decision, st.rules.limits.max_turns
 
     def dropped(g: int) -> bool:
@@ -855,7 +874,7 @@ def _fill_with(st: _State, candidates: Iterable[int], mark: tuple[str, str], tur
             continue
         if decision[a] is mark:  # its turn is back already
             gs, new_turn = [g], False
-        elif dropped(a):
+        elif dropped(a) and a not in marked:
             gs, new_turn = ([g] if a == g else [a, g]), True
         else:
             continue

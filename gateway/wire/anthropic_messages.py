@@ -268,27 +268,39 @@ class AnthropicMessages(Wire):
             "cache_control" in b for b in _blocks(item.get("content"))
         )
 
-    def cache_marker_edits(self, b: bytes, at: int, item: Any) -> list[Edit]:
+    def cache_ttls(self, item: Any) -> list[str]:
+        if not isinstance(item, dict):
+            return []
+        out = []
+        for b in _blocks(item.get("content")):
+            if "cache_control" in b:
+                c = b["cache_control"]
+                ttl = c.get("ttl", "5m") if isinstance(c, dict) else None
+                out.append(ttl if isinstance(ttl, str) else "?")
+        return out
+
+    def cache_marker_edits(self, b: bytes, at: int, item: Any, ttl: str = "5m") -> list[Edit]:
         # only the marked block's bytes change: a string content becomes one text block
-        # around the client's string bytes, a block gets the key added (or its value set)
+        # around the client's string bytes, a block gets the key added (one the client
+        # marked already keeps its own)
         content = item.get("content") if isinstance(item, dict) else None
         if not isinstance(content, (str, list)):
             return []
+        mark = _EPHEMERAL if ttl == "5m" else orjson.dumps({**EPHEMERAL, "ttl": ttl})
         c = [m for m in members(b, at) if m.name == "content"][-1]
         if isinstance(content, str):
             return [(c.value, c.end, b"".join((b'[{"type":"text","text":', b[c.value:c.end],
-                                                b',"cache_control":', _EPHEMERAL, b"}]")))]
+                                                b',"cache_control":', mark, b"}]")))]
         for j in range(len(content) - 1, -1, -1):
             block = content[j]
             if isinstance(block, dict) and block.get("type") not in UNMARKABLE:
+                if "cache_control" in block:
+                    return []
                 start = elements(b, c.value, content)[j][0]
                 fields = members(b, start, block)
-                marks = [m for m in fields if m.name == "cache_control"]
-                if marks:
-                    return [(marks[-1].value, marks[-1].end, _EPHEMERAL)]
                 if fields:
-                    return [(fields[-1].end, fields[-1].end, b',"cache_control":' + _EPHEMERAL)]
-                return [(start + 1, start + 1, b'"cache_control":' + _EPHEMERAL)]
+                    return [(fields[-1].end, fields[-1].end, b',"cache_control":' + mark)]
+                return [(start + 1, start + 1, b'"cache_control":' + mark)]
         return []
 
 

@@ -90,9 +90,13 @@ class Wire:
         """Does this item carry a provider prompt-cache breakpoint (`cache_control`)?"""
         return False
 
-    def cache_marker_edits(self, b: bytes, at: int, item: Any) -> list[Edit]:
-        """The edits that put a cache breakpoint on the last markable block of `item`,
-        whose bytes start at b[at] (none: nothing to mark)."""
+    def cache_ttls(self, item: Any) -> list[str]:
+        """The lifetimes of the item's prompt-cache breakpoints, in order ("5m", "1h")."""
+        return []
+
+    def cache_marker_edits(self, b: bytes, at: int, item: Any, ttl: str = "5m") -> list[Edit]:
+        """The edits that put a cache breakpoint (living `ttl`) on the last markable block
+        of `item`, whose bytes start at b[at] (none: nothing to mark, or it has one)."""
         return []
 
     def tool_results(self, items: list[Any], start: int = 0,
@@ -112,11 +116,12 @@ class Wire:
         self, raw: bytes, payload: dict[str, Any], kept: list[int],
         marker_at: int | None = None, note: str | None = None, note_before: int | None = None,
         metadata: bool = True, texts: dict[int, list[tuple[Any, str]]] | None = None,
-        moved: Sequence[int] = (), spans: list[Span] | None = None,
+        moved: Sequence[int] = (), spans: list[Span] | None = None, marker_ttl: str = "5m",
     ) -> bytes | None:
         """The client's body `raw` (parsed: `payload`) with only the `kept` items
         (ascending), the gateway metadata cut out of them (`metadata`: any item may hold
-        some); `marker_at` (an index in kept) gets a cache breakpoint moved onto it;
+        some); `marker_at` (an index in kept) gets a cache breakpoint moved onto it
+        (`marker_ttl` long);
         `moved` (recalled history, in this order) and then `note` go right before item
         `note_before` (the current turn), after the stable prefix; `texts` gives items a
         new string at a path inside them (a compacted tool result: only that value's
@@ -131,17 +136,20 @@ class Wire:
         try:
             if spans is not None:
                 return apply(raw, self._item_edits(raw, spans, items, kept, marker_at, note,
-                                                   note_before, metadata, texts, moved))
+                                                   note_before, metadata, texts, moved,
+                                                   marker_ttl))
             top = members(raw, ws(raw, 0), payload, listed=key)
             m = [m for m in top if m.name == key][-1]  # the one orjson read
             if m.items is not None:
                 return apply(raw, self._item_edits(raw, m.items, items, kept, marker_at,
-                                                   note, note_before, metadata, texts, moved))
+                                                   note, note_before, metadata, texts, moved,
+                                                   marker_ttl))
             listed = self.listed(raw[m.value : m.end])
             if listed is None:
                 return None
             edits = self._item_edits(listed, elements(listed, 0, items), items, kept,
-                                     marker_at, note, note_before, metadata, texts, moved)
+                                     marker_at, note, note_before, metadata, texts, moved,
+                                     marker_ttl)
             return b"".join((raw[: m.value], apply(listed, edits), raw[m.end :]))
         except (IndexError, ValueError):  # orjson's decode error included
             return None
@@ -150,6 +158,7 @@ class Wire:
         self, b: bytes, spans: list[Span], items: Any, kept: list[int],
         marker_at: int | None, note: str | None, note_before: int | None, metadata: bool,
         texts: dict[int, list[tuple[Any, str]]] | None = None, moved: Sequence[int] = (),
+        marker_ttl: str = "5m",
     ) -> list[Edit]:
         if len(spans) != len(items):
             raise ValueError("items differ from their bytes")
@@ -166,7 +175,7 @@ class Wire:
                 start, end = value_span(b, spans[i][0], item, path)
                 out.append((start, end, orjson.dumps(text)))
             if i == marker_at:
-                out += self.cache_marker_edits(b, spans[i][0], item)
+                out += self.cache_marker_edits(b, spans[i][0], item, marker_ttl)
             return out
 
         edits = cut(spans, kept)  # the moved items go from where they were too
