@@ -801,8 +801,12 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
             # refuses (a cap too small to share, or pins that fill it): nothing can come
             # back, so nothing is read or ranked
             return
-    query = "\n".join(fill.group_text(groups[g], text_of)
-                      for g in range(end, len(groups)) if groups[g].is_user)
+    # what the newest user message asks (an input begun earlier, a document sent before
+    # the question, is kept whole but does not word the query: LoCoMo dev, where the
+    # question follows a user message, 80.0 / 88.2 / 93.1 -> 68.7 / 80.5 / 87.8 with it)
+    last = conv.n_turns
+    query = "\n".join(fill.group_text(groups[g], text_of) for g in range(end, len(groups))
+                      if groups[g].is_user and groups[g].turn == last)
     if not query.strip():
         return
     idx = fill.index_history(conv, end, text_of)
