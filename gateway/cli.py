@@ -145,9 +145,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         mglog.set_process_fields(worker=args.worker)
     mglog.configure(rules.log_format, rules.log_level)
     log = mglog.get_logger()
+    from .replay import shown_url  # no user:password or query (a secret may sit there)
+
     log.info("config_loaded", file=rules.source, mode=rules.memory.mode,
              models_file=rules.models_path, carry_file=rules.carry_path,
-             upstreams=",".join(f"{u.name}={u.base_url}" for u in rules.upstreams))
+             upstreams=",".join(f"{u.name}={shown_url(u.base_url)}" for u in rules.upstreams))
     host = args.host or rules.listen_host
     port = args.port if args.port is not None else rules.listen_port
     if port == rules.listen_admin_port:

@@ -278,7 +278,7 @@ async def _forward(f: _Flight) -> web.StreamResponse:
     if up is not None:
         _admit(rules, up, f.request)
     f.raw = await _read_timed(f)
-    if up is not None and _unchangeable(f.state, rules, f.wire, f.raw):
+    if up is not None and _unchangeable(f.state, rules, f.wire, f.raw, f.tenant):
         return await _relay_unchanged(f, up, f.raw)
     d, up = await _plan(f, f.raw, up)
     return await _relay_planned(f, up, d)
@@ -400,7 +400,8 @@ def _fallback_body(rules: Rules, d: Decision) -> bytes | None:
     return d.raw
 
 
-def _unchangeable(state: GatewayState, rules: Rules, wire: Wire, raw: bytes) -> bool:
+def _unchangeable(state: GatewayState, rules: Rules, wire: Wire, raw: bytes,
+                  tenant: str | None) -> bool:
     """Can no decision change this body? Eviction is not on (off or shadow only
     measure), no upstream is chosen by model, and the body holds no gateway metadata
     (which is stripped; an escaped ASCII character could spell its key, so any \\u00XX
@@ -409,7 +410,7 @@ def _unchangeable(state: GatewayState, rules: Rules, wire: Wire, raw: bytes) -> 
     if rules.memory.mode == "on" or rules.routes_by_model or "deferred" in rules.shortcuts_off:
         return False
     history = _history(state, rules)
-    start = (history.unmarked_from(raw, wire)
+    start = (history.unmarked_from(raw, wire, tenant)
              if history is not None and "splice" not in rules.shortcuts_off else 0)
     return splice.unmarked(raw, start)
 
@@ -423,7 +424,7 @@ def _decide(
     src = None  # the session's earlier body this one was spliced from
     try:
         if history is not None and "splice" not in rules.shortcuts_off:
-            payload, src = history.loads(raw, wire)
+            payload, src = history.loads(raw, wire, tenant)
         else:
             payload = orjson.loads(raw)
     except orjson.JSONDecodeError:

@@ -127,30 +127,33 @@ class HistoryCache:
         self.max_bytes, self.max_entries = max_bytes, max_entries
         self._evict()
 
-    def _records(self, raw: bytes, wire: Wire) -> Iterator[Reuse]:
-        """The records of sessions whose bodies began like `raw` (candidates only: a
-        record applies when raw starts with its prefix)."""
-        if len(raw) >= SPLICE_MIN_BYTES:
+    def _records(self, raw: bytes, wire: Wire, tenant: str | None) -> Iterator[Reuse]:
+        """The records of the tenant's sessions whose bodies began like `raw` (candidates
+        only: a record applies when raw starts with its prefix). Never another tenant's:
+        a parse is only ever reused by the caller whose body it was."""
+        if len(raw) >= SPLICE_MIN_BYTES and tenant is not None:
             for key in self._by_head.get(hash(raw[:_HEAD])) or ():
                 e = self._entries.get(key)
-                if e is not None and e.wire is wire and e.reuse is not None:
+                if (e is not None and key[0] == tenant and e.wire is wire
+                        and e.reuse is not None):
                     yield e.reuse
 
-    def loads(self, raw: bytes, wire: Wire) -> tuple[Any, splice.Splice | None]:
-        """orjson.loads(raw), reusing a session's previous parse when raw starts with that
-        body's bytes up to its last item; (payload, the splice used or None).
-        Raises orjson.JSONDecodeError like orjson.loads."""
-        for r in self._records(raw, wire):
+    def loads(self, raw: bytes, wire: Wire, tenant: str | None
+              ) -> tuple[Any, splice.Splice | None]:
+        """orjson.loads(raw), reusing the parse of one of the tenant's sessions' previous
+        bodies when raw starts with that body's bytes up to its last item; (payload, the
+        splice used or None). Raises orjson.JSONDecodeError like orjson.loads."""
+        for r in self._records(raw, wire, tenant):
             payload = splice.loads(raw, r.rec, r.payload)
             if payload is not None:
                 self.spliced += 1
                 return payload, r.rec
         return orjson.loads(raw), None
 
-    def unmarked_from(self, raw: bytes, wire: Wire) -> int:
+    def unmarked_from(self, raw: bytes, wire: Wire, tenant: str | None) -> int:
         """Where a search of `raw` for splice.MARKERS has to start: past the prefix of a
-        session's record that raw starts with and that holds none of them (else 0)."""
-        for r in self._records(raw, wire):
+        tenant's session's record that raw starts with and that holds none (else 0)."""
+        for r in self._records(raw, wire, tenant):
             start = splice.unmarked_from(raw, r.rec)
             if start:
                 return start

@@ -25,8 +25,14 @@ _SAFE = re.compile(r"[^A-Za-z0-9._:@/-]")
 MAX_ID = 128
 BUILTIN_HEADERS = ("Authorization", "x-api-key", "api-key")
 _KEY = re.compile(r"[\x21-\x7e]+")
-# what a client whose key variable is unset sends: shared by every such client
-_PLACEHOLDERS = frozenset(("undefined", "null", "none", "nil"))
+# what a client whose key variable is unset sends, and the stand-ins the local model
+# servers' docs tell SDK users to pass (the SDKs refuse an empty key): shared by every
+# such client, so no one's key (vLLM "EMPTY", llama.cpp "sk-no-key-required", Ollama
+# "ollama", LM Studio "lm-studio", ...)
+_PLACEHOLDERS = frozenset((
+    "undefined", "null", "none", "nil", "empty", "dummy", "placeholder", "not-needed",
+    "not_needed", "no-key", "nokey", "sk-no-key-required", "ollama", "lm-studio",
+    "lmstudio", "sk-xxx", "sk-dummy", "sk-placeholder", "fake", "fake-key", "sk-fake"))
 
 
 @functools.lru_cache(maxsize=4096)  # a client sends the same value on every request

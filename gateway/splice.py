@@ -103,6 +103,23 @@ def locate(b: bytes, key: str, n: int) -> tuple[int, tuple[str, ...]] | None:
     return None
 
 
+def _says(rec: Splice, payload: dict[str, Any]) -> bool:
+    """Does the record's prefix alone say what the body's parse holds for it (the keys
+    before the list, the list's first `count` items)? Not when a key comes again after
+    the prefix (orjson keeps the last value; locate found the first list): a body that
+    starts with the same bytes would be handed those values."""
+    head = rec.prefix.rstrip(b" \t\n\r")
+    if not head.endswith(b","):
+        return False
+    try:
+        alone = orjson.loads(head[:-1] + b"]}")
+    except orjson.JSONDecodeError:
+        return False
+    want = {k: payload[k] for k in rec.before}
+    want[rec.key] = payload[rec.key][: rec.count]
+    return bool(alone == want)
+
+
 def _parse_from(key: str, rest: bytes) -> dict[str, Any] | None:
     """`rest` (a body from the start of an item of its list `key` on) parsed as
     `{"<key>":[` + rest, or None when that is not valid JSON."""
@@ -167,6 +184,8 @@ def make(b: bytes, key: str, payload: dict[str, Any], src: Splice | None,
             if found is None:
                 return None
             fast = Splice(b[: found[0]], n, found[1], key)
+            if not _says(fast, payload):
+                return None
     except (IndexError, ValueError):
         return None
     if spans:

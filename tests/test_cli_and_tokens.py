@@ -155,3 +155,31 @@ def test_command_errors_are_one_line_with_the_readmes_exit_code(
         assert (got, len(lines)) == (code, 1), (argv, got, err)  # [i/n]: ab's progress
         assert lines[0].startswith(start) and "Traceback" not in err, (argv, err)
         assert out == "" or argv[0] == "stats", (argv, out)
+
+
+def test_serve_logs_no_upstream_password_or_query() -> None:
+    """An upstream URL with user:password (an internal proxy behind basic auth) or a key
+    in its query: the startup line names the upstream without them."""
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATE_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(free_port()), "--upstream",
+         "http://user:pw-SECRET@127.0.0.1:9/v1?api_key=k-SECRET"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    assert proc.stdout is not None
+    seen: list[bytes] = []
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if b"config_loaded" in line or not line:
+                break
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        proc.stdout.close()
+    out = b"".join(seen)
+    assert b"config_loaded" in out and b"127.0.0.1:9" in out, out[-500:]
+    assert b"SECRET" not in out

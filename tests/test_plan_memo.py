@@ -239,7 +239,7 @@ def test_compaction_kept_along_a_session_is_what_a_cold_request_gets(name: str) 
     grew, before = False, {}
     for end in ends:
         raw = orjson.dumps(to_body(msgs[:end]))
-        body, src = cache.loads(raw, wire)  # as the server: the resent items are reused
+        body, src = cache.loads(raw, wire, "t")  # as the server: the resent items are reused
         warm = decide(raw, body, rules, tok, wire, history=cache, key=("t", "s"), spliced=src)
         cache.remember(("t", "s"), raw, warm.payload, warm.messages, src, spans=True)
         cold = decide(raw, orjson.loads(raw), rules, Tokenizers(50_000), wire)

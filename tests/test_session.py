@@ -17,8 +17,12 @@ from gateway.session import client_refusal, tenant_of
 CREDENTIAL_HEADERS = ("Authorization", "x-api-key", "api-key", "X-Client-Key")
 RULES = (TenantRules(credential_headers=("X-Client-Key",)),
          TenantRules(credential_headers=("X-Client-Key",), anonymous="lab-shared"))
-# what a client whose key variable is unset sends, and a scheme alone
-NOT_KEYS = {"undefined", "null", "none", "nil", "bearer"}
+# what a client whose key variable is unset sends, the stand-ins local model servers
+# document (every such client sends them), and a scheme alone
+NOT_KEYS = {"undefined", "null", "none", "nil", "bearer", "empty", "dummy", "placeholder",
+            "not-needed", "not_needed", "no-key", "nokey", "sk-no-key-required", "ollama",
+            "lm-studio", "lmstudio", "sk-xxx", "sk-dummy", "sk-placeholder", "fake",
+            "fake-key", "sk-fake"}
 
 keys = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1,
                max_size=12).filter(lambda k: k.lower() not in NOT_KEYS)
@@ -36,7 +40,8 @@ def usable(draw: Any) -> tuple[str, str]:
 unusable = st.sampled_from([
     "", " ", "\t ", "Bearer", "Bearer ", "bearer  ", "Bearer undefined", "None", "null",
     "Bearer a b", "Basic dXNlcjpwdw==", "Bearer \udcff\udcfe", "k\udce9y", "\x7f", "k\x01y",
-    "ключ", "Bearer sk-é", "sk-\u2028x",
+    "ключ", "Bearer sk-é", "sk-\u2028x", "Bearer EMPTY", "sk-no-key-required", "ollama",
+    "Bearer lm-studio", "DUMMY",
 ]).map(lambda v: (v, None))
 
 

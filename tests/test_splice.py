@@ -107,6 +107,55 @@ def test_splice_is_the_whole_parse_or_nothing(p: dict[str, Any], fmt: str, more:
         assert inc == splice.make(new, "messages", orjson.loads(new), None)
 
 
+# spaced as a client may write it: found by the scan, not orjson's spelling of its last item
+PLANTED = b'"messages": [{"role": "user", "content": "planted"}, {"role": "user", "content": "2"}]'
+
+
+@given(p=body(), fmt=st.sampled_from(sorted(FORMATS)), more=st.lists(ITEM, max_size=3),
+       dup=st.sampled_from([PLANTED, b'"model":"evil-model"', b'"max_tokens":1', b'"x":null']))
+@example(p={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "a"}] * 2},
+         fmt="json", more=[], dup=b'"model":"evil-model"')
+@example(p={"messages": [{"role": "user", "content": "a"}] * 3}, fmt="indent",
+         more=[{"role": "user", "content": "b"}], dup=PLANTED)
+@settings(max_examples=300)
+def test_a_record_of_a_body_repeating_a_key_splices_no_other_parse(
+    p: dict[str, Any], fmt: str, more: list[Any], dup: bytes
+) -> None:
+    """A record made from a body that repeats a key after its list (orjson keeps the
+    last value, a scan finds the first list) never hands its values to a body that
+    starts with the same bytes: another caller's body starting like this one is
+    parsed as its own (or not spliced)."""
+    dump = FORMATS[fmt]
+    raw = dump(p)
+    raw = raw[: raw.rindex(b"}")] + b"," + dup + b"}"
+    prev = orjson.loads(raw)
+    rec = splice.make(raw, "messages", prev, None)
+    if rec is None:
+        return
+    check(raw, rec, prev)  # its own body: as it parses, or not spliced
+    check(dump({**p, "messages": [*p["messages"], *more]}), rec, prev)
+
+
+def test_records_serve_only_their_own_tenant() -> None:
+    """A session's record splices only bodies of the same tenant: never another
+    caller's, never a caller without a key."""
+    from gateway.history import HistoryCache
+
+    rules = make_rules({"enable_eviction": True})
+    cache = HistoryCache(1 << 26, 10)
+    msgs = [{"role": "user", "content": "x" * 20_000}, {"role": "assistant", "content": "a"}]
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+    d = decide(raw, orjson.loads(raw), rules, TOK, OPENAI_CHAT, history=cache, key=("A", "s"))
+    cache.remember(("A", "s"), raw, d.payload, d.messages, None)
+    grown = orjson.dumps({"model": "gpt-4o-mini",
+                          "messages": [*msgs, {"role": "user", "content": "b"}]})
+    assert cache.loads(grown, OPENAI_CHAT, "A")[1] is not None  # its own tenant: spliced
+    for other in ("B", None):
+        payload, src = cache.loads(grown, OPENAI_CHAT, other)
+        assert src is None and payload == orjson.loads(grown)
+        assert cache.unmarked_from(grown, OPENAI_CHAT, other) == 0
+
+
 @given(p=body(), fmt=st.sampled_from(sorted(FORMATS)),
        grows=st.lists(st.lists(ITEM, min_size=1, max_size=3), min_size=1, max_size=3),
        seed=st.sampled_from(["first", "spliced"]))
@@ -272,7 +321,7 @@ def test_small_body_drops_the_inherited_record() -> None:
     for msgs in ([{"role": "user", "content": "x" * 20_000}, {"role": "user", "content": "a"}],
                  [{"role": "user", "content": "short"}]):
         raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
-        payload, src = cache.loads(raw, OPENAI_CHAT)
+        payload, src = cache.loads(raw, OPENAI_CHAT, "t")
         d = decide(raw, payload, rules, TOK, OPENAI_CHAT, history=cache, key=("t", "s"))
         cache.remember(("t", "s"), raw, d.payload, d.messages, src)
         (entry,) = cache._entries.values()

@@ -208,7 +208,9 @@ SEARCH = {"filter": {"session_id": "s1", "time_from": "2026-11-29T00:00:00Z"},
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer "}, {"Authorization": "Bearer"},
                                      {"x-api-key": "   "}, {"api-key": ""},
-                                     {"Authorization": "Bearer undefined"}])
+                                     {"Authorization": "Bearer undefined"},
+                                     {"Authorization": "Bearer EMPTY"},
+                                     {"x-api-key": "sk-no-key-required"}])
 async def test_memory_api_refuses_callers_without_a_usable_key(
     gateway: GatewayFactory, tmp_path: Path, headers: dict[str, str]
 ) -> None:
