@@ -3,7 +3,8 @@
 Bounded in memory (a queue that drops, and counts, when full) and on disk
 (oldest files deleted past `max_files`); written by a background task in a
 worker thread, never on the request path. Headers are not stored at all, so
-Authorization / x-api-key cannot end up in a capture.
+Authorization / x-api-key cannot end up in a capture; a credential a client puts in
+the body's top level (LiteLLM-style `api_key`, ...) is written "[redacted]".
 """
 
 from __future__ import annotations
@@ -11,13 +12,39 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from .jsonbytes import apply, members, ws
 from .rules import CaptureRules
+
+# top-level body fields that carry a credential (compared lower-cased)
+SECRET_FIELDS = frozenset((
+    "api_key", "apikey", "api-key", "x-api-key", "x_api_key", "authorization",
+    "access_token", "auth_token", "bearer_token", "client_secret", "secret_key", "password",
+    "aws_secret_access_key", "aws_session_token", "aws_access_key_id"))
+_SECRET_HINT = re.compile(
+    rb'"(?:api[_-]?key|x[_-]api[_-]key|authorization|access_token|auth_token|bearer_token'
+    rb'|client_secret|secret_key|password|aws_secret_access_key|aws_session_token'
+    rb'|aws_access_key_id)"', re.IGNORECASE)
+REDACTED = b'"[redacted]"'
+
+
+def redacted(raw: bytes) -> bytes:
+    """A JSON body with the values of its top-level credential fields (SECRET_FIELDS)
+    written "[redacted]"; every other byte as it was."""
+    if _SECRET_HINT.search(raw) is None:
+        return raw
+    try:
+        top = members(raw, ws(raw, 0))
+    except (IndexError, ValueError):
+        return raw
+    edits = [(m.value, m.end, REDACTED) for m in top if m.name.lower() in SECRET_FIELDS]
+    return apply(raw, edits) if edits else raw
 
 
 class Capture:
@@ -79,8 +106,10 @@ def record(mem: dict[str, Any], api: str, raw: bytes, parsed_ok: bool, forward: 
     return {
         "mem": mem,
         "api": api,
-        "before": orjson.Fragment(raw) if parsed_ok else raw.decode("utf-8", "replace"),
-        "after": orjson.Fragment(forward) if parsed_ok else forward.decode("utf-8", "replace"),
+        "before": (orjson.Fragment(redacted(raw)) if parsed_ok
+                   else raw.decode("utf-8", "replace")),
+        "after": (orjson.Fragment(redacted(forward)) if parsed_ok
+                  else forward.decode("utf-8", "replace")),
     }
 
 

@@ -86,7 +86,9 @@ async def read_body(request: web.Request, limit: int, decode: bool = True) -> by
     declared = request.content_length
     if declared is not None and declared > limit:
         raise _too_large(limit, declared)
-    encoding = request.headers.get("Content-Encoding") if decode else None
+    # every line of it: `Content-Encoding: gzip` sent twice is `gzip, gzip` (RFC 9110 5.3)
+    codings = request.headers.getall("Content-Encoding", ()) if decode else ()
+    encoding = ", ".join(codings) if codings else None
     inflate = Inflater.for_encoding(encoding, limit)
     if inflate is None and declared is not None:
         # not chunk by chunk: aiohttp's read() lifts the stream's buffer limit first, so the
@@ -695,24 +697,17 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
 
 async def _relay_as_is(request: web.Request, state: GatewayState, info: Relayed,
                        span: RequestSpan | None) -> web.StreamResponse:
-    """A body with a Content-Length is streamed through, a chunked one is read (up to
-    limits.max_body_bytes) first."""
+    """A body with a Content-Length is streamed through, whatever its size (never held:
+    a file upload is the provider's to bound, OpenAI's up to 512 MB); a chunked one is
+    read (up to limits.max_body_bytes) first."""
     rules = state.rules
     flavor = flavor_for(request.path)
-    up = rules.upstream_for(request.path, None)
+    up = rules.upstream_for(request.path, None, "anthropic-version" in request.headers)
     try:
         _admit(rules, up, request)
     except Unauthorized as err:
         return error_response(err, flavor)
     declared = request.content_length
-    if declared is not None and declared > rules.max_body_bytes:
-        return error_response(
-            PayloadTooLarge(
-                f"request body is {declared} bytes; the gateway accepts at most "
-                f"{rules.max_body_bytes} (limits.max_body_bytes)"
-            ),
-            flavor,
-        )
     body: Any = None
     extra = None
     if declared is not None:  # streamed through as it arrives

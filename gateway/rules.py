@@ -232,12 +232,20 @@ class Rules:
         """Does any upstream choose requests by model (so the body must be read)?"""
         return any(u.models for u in self.upstreams)
 
-    def upstream_for(self, path: str, model: str | None = None) -> Upstream:
-        """First upstream serving this path (and model); else the default one."""
-        key = ("upstream", path, model)
+    def upstream_for(self, path: str, model: str | None = None,
+                     anthropic: bool = False) -> Upstream:
+        """First upstream serving this path (and model); else the default one. A request
+        of Anthropic's SDK (`anthropic`: it sends anthropic-version) that would go to
+        the OpenAI-compatible default goes to the upstream named `anthropic` if there
+        is one: /v1/models or /v1/files of Anthropic's API, never with its key to
+        another provider."""
+        key = ("upstream", path, model, anthropic)
         up: Upstream | None = self.memo.get(key)
         if up is None:
-            up = next((u for u in self.upstreams if u.serves(path, model)), self.default_upstream)
+            default = self.default_upstream
+            up = next((u for u in self.upstreams if u.serves(path, model)), default)
+            if anthropic and up is default:
+                up = next((u for u in self.upstreams if u.name == "anthropic"), up)
             self.remember(key, up)
         return up
 

@@ -30,8 +30,17 @@ HOP_BY_HOP = frozenset(
     (
         "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
         "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+        # the gateway holds the whole body before it sends it: a client's 100-continue
+        # was answered here, and passed on it would wait for the upstream's own 100
+        "proxy-connection", "expect",
     )
 )
+
+
+def hop_by_hop(headers: Any) -> frozenset[str]:
+    """HOP_BY_HOP and the headers this message's `Connection` names (RFC 9110 7.6.1)."""
+    named = [t.strip().lower() for v in headers.getall("Connection", ()) for t in v.split(",")]
+    return HOP_BY_HOP.union(named) if named else HOP_BY_HOP
 # the gateway's own request headers: consumed here, never sent upstream
 GATEWAY_HEADERS = frozenset(("x-memgate-admin-token",))
 # an upstream's refusals of a body as invalid: the answers a body the gateway changed is
@@ -138,6 +147,10 @@ class StreamEnd:
         return last >= 0 and chunk.startswith(ends, last)
 
 
+MAX_HEADER_BYTES = 64 << 10  # one response header line or field from an upstream
+MAX_HEADERS = 1024  # response headers from an upstream
+
+
 class UpstreamPool:
     """One keep-alive ClientSession per upstream origin, closed at shutdown."""
 
@@ -154,6 +167,10 @@ class UpstreamPool:
                 # an egress proxy is configured per upstream instead
                 trust_env=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+                # an answer the client's own SDK reads (aiohttp's 8 KiB header field and
+                # 128 headers would make it a 502): bounded, generously
+                max_line_size=MAX_HEADER_BYTES, max_field_size=MAX_HEADER_BYTES,
+                max_headers=MAX_HEADERS,
             )
             self._sessions[up.base_url] = s
         return s
@@ -192,9 +209,10 @@ def request_headers(incoming: Any, up: Upstream,
     """What goes upstream: no hop-by-hop or gateway headers; with the gateway's own key,
     none of the client's credentials either (`credential_headers`: configured ones)."""
     out: CIMultiDict[str] = CIMultiDict()
+    hop = hop_by_hop(incoming)
     for k, v in incoming.items():
         low = k.lower()
-        if low not in HOP_BY_HOP and low not in GATEWAY_HEADERS:
+        if low not in hop and low not in GATEWAY_HEADERS:
             out.add(k, v)
     if up.api_key_env:
         key = injected_key(up)
@@ -283,8 +301,9 @@ async def relay(
     info.status = up_resp.status
     async with up_resp:
         resp = web.StreamResponse(status=up_resp.status, reason=up_resp.reason)
+        hop = hop_by_hop(up_resp.headers)
         for k, v in up_resp.headers.items():
-            if k.lower() not in HOP_BY_HOP:
+            if k.lower() not in hop:
                 resp.headers.add(k, v)
         if up_resp.content_length is not None:
             resp.content_length = up_resp.content_length
@@ -310,9 +329,11 @@ async def relay(
         except (TimeoutError, aiohttp.ClientError, OSError):
             # after its terminal event the answer is whole, however the upstream hangs up
             info.stream = "complete" if info.ended else "upstream_aborted"
-            # the status line is gone already: end a chunked stream cleanly; a body
-            # with a Content-Length cannot be completed, so the connection is closed
-            if up_resp.content_length is None:
+            # the status line is gone already: a whole answer is ended cleanly; a cut one
+            # is cut for the client too (the connection closed without the chunked end or
+            # the rest of the Content-Length), so its SDK raises (and may retry) as it
+            # would have talking to the upstream, never taking half an answer for all
+            if info.ended:
                 try:
                     await resp.write_eof()
                 except (ConnectionResetError, aiohttp.ClientConnectionResetError):

@@ -141,6 +141,21 @@ async def test_decoded_body_goes_up_without_encoding_header(
     assert event["hist_msgs"] == str(len(sample("chat_short")["messages"]))
 
 
+async def test_encoding_sent_on_two_lines_is_undone_twice(
+        gateway: GatewayFactory, raw_upstream: RawUpstream) -> None:
+    """`Content-Encoding: gzip` twice is `gzip, gzip` (RFC 9110): both layers undone, the
+    upstream gets the JSON (not still-gzipped bytes without an encoding header)."""
+    gw = await gateway(upstream_url=raw_upstream.url)
+    body = chat_body()
+    request = http_post("/v1/chat/completions", gzip.compress(gzip.compress(body)))
+    head, _, rest = request.partition(b"\r\n\r\n")
+    request = head + b"\r\nContent-Encoding: gzip\r\nContent-Encoding: gzip\r\n\r\n" + rest
+    status, _, _ = split_response(await raw_http(port_of(gw), request))
+    assert status == 200
+    got = raw_upstream.received[-1]
+    assert got["raw"] == body and "Content-Encoding" not in got["headers"]
+
+
 async def test_passthrough_relays_compressed_body_as_sent(
         gateway: GatewayFactory, raw_upstream: RawUpstream) -> None:
     """Other routes relay the client's bytes: the compressed body whole, its encoding

@@ -222,6 +222,11 @@ async def test_oversized_headers_and_chunked_bodies_refused(
         assert upstream.received == []
         async with s.get(f"{gw.url}/v1/models") as r:
             assert r.status == 200
+        # a passthrough body with a Content-Length is streamed, never held: not bounded
+        # here (a file upload is the provider's to bound)
+        big = b"\x00upload" * 1024
+        async with s.post(f"{gw.url}/v1/echo", data=big) as r:
+            assert r.status == 201 and await r.read() == big
 
 
 async def test_secrets_reach_no_sink(
@@ -240,7 +245,7 @@ async def test_secrets_reach_no_sink(
         env={"MEMGATE_ADMIN_TOKEN": "admin-" + SECRET},
         limits={"max_body_bytes": 262144},
     )
-    secrets = [SECRET, "cookie-" + SECRET, "xkey-" + SECRET]
+    secrets = [SECRET, "cookie-" + SECRET, "xkey-" + SECRET, "body-" + SECRET]
     hdrs = {"Authorization": f"Bearer {SECRET}", "x-api-key": "xkey-" + SECRET,
             "Cookie": f"session=cookie-{SECRET}", "Content-Type": "application/json",
             "X-Session-Id": "sec"}
@@ -248,6 +253,9 @@ async def test_secrets_reach_no_sink(
     async with aiohttp.ClientSession() as s:
         for path, body in (
             ("/v1/chat/completions", orjson.dumps(sample("chat_long_tools"))),
+            # a credential in the body (LiteLLM-style clients): relayed, never captured
+            ("/v1/chat/completions", orjson.dumps({**sample("chat_short"),
+                                                   "api_key": "body-" + SECRET})),
             ("/v1/messages", orjson.dumps(sample("anthropic_long_tools"))),
             ("/status/429/v1/chat/completions", orjson.dumps(sample("chat_short"))),
             ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x", '
@@ -257,7 +265,7 @@ async def test_secrets_reach_no_sink(
             async with s.post(gw.url + path, data=body, headers=hdrs) as r:
                 bodies.append(await r.read())
                 statuses.append(r.status)
-        await gw.wait_mem(4)
+        await gw.wait_mem(5)
         async with s.get(f"{gw.url}/metrics") as r:
             bodies.append(await r.read())
             statuses.append(r.status)
@@ -272,8 +280,8 @@ async def test_secrets_reach_no_sink(
             bodies.append(await r.read())
             statuses.append(r.status)
     # (the admin view answers 404 when nothing was carried for the session)
-    assert statuses[:6] + statuses[7:] == [200, 200, 429, 400, 413, 200, 200], statuses
-    assert statuses[6] in (200, 404)
+    assert statuses[:7] + statuses[8:] == [200, 200, 200, 429, 400, 413, 200, 200], statuses
+    assert statuses[7] in (200, 404)
     assert orjson.loads(bodies[-1])["results"], bodies[-1][:300]  # the archive answers
     await gw.state.capture.drain()
     sinks = {"log": gw.log.getvalue().encode(), "responses": b"\n".join(bodies)}
@@ -284,7 +292,8 @@ async def test_secrets_reach_no_sink(
         sinks[f"store:{f.name}"] = f.read_bytes()
     assert any(k.startswith("capture:") for k in sinks), "capture wrote nothing"
     assert "store:mem.db" in sinks, "nothing archived"
-    assert sinks["log"].count(b"[mem]") >= 4
+    assert sinks["log"].count(b"[mem]") >= 5
+    assert any(b"[redacted]" in v for k, v in sinks.items() if k.startswith("capture:"))
     for name, data in sinks.items():
         for secret in secrets:
             assert secret.encode() not in data, f"{secret!r} leaked into {name}"

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from .conftest import SECRET, Gateway, GatewayFactory, Upstream, sample
+from .conftest import CHAT_REPLY, SECRET, Gateway, GatewayFactory, Upstream, sample
 
 
 def client(gw: Gateway, **kw: Any) -> openai.AsyncOpenAI:
@@ -169,6 +169,92 @@ async def test_passthrough_routes(gateway: GatewayFactory, upstream: Upstream) -
     assert upstream.received[-1]["method"] == "PUT"
     assert upstream.received[-1]["path"] == "/v1/echo?x=1&y=2"
     assert gw.mem_lines() == []
+
+
+async def test_hop_by_hop_headers_stop_at_the_gateway(
+    gateway: GatewayFactory, aiohttp_server: Any
+) -> None:
+    """Headers a message's Connection names are its hop's (RFC 9110 7.6.1), in either
+    direction; Proxy-Connection too; and the client's Expect: 100-continue is answered
+    here (passed on, the gateway's request would wait for the upstream's own 100)."""
+    seen: list[Any] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append(request.headers.copy())
+        await request.read()
+        return web.json_response(CHAT_REPLY, headers={"Connection": "keep-alive, X-Hop",
+                                                      "X-Hop": "secret", "X-End": "end"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    up = await aiohttp_server(app)
+    gw = await gateway(upstream_url=str(up.make_url("")).rstrip("/"))
+    async with aiohttp.ClientSession() as s, s.post(
+            gw.url + "/v1/chat/completions", data=orjson.dumps(sample("chat_short")),
+            headers={"Connection": "keep-alive, X-Foo", "X-Foo": "hop", "X-Bar": "end",
+                     "Proxy-Connection": "keep-alive", "Expect": "100-continue",
+                     "Content-Type": "application/json"}) as r:
+        assert r.status == 200
+        assert "X-Hop" not in r.headers and r.headers["X-End"] == "end"
+    (got,) = seen
+    assert got["X-Bar"] == "end"
+    assert not {"X-Foo", "Proxy-Connection", "Expect"} & set(got)
+
+
+async def test_big_and_many_answer_headers_are_relayed(
+    gateway: GatewayFactory, aiohttp_server: Any
+) -> None:
+    """An answer with a 9,000-byte header and 200 headers (over aiohttp's client defaults:
+    8 KiB, 128) reaches the client as the upstream sent it, not as a 502."""
+    many = {f"X-H{i}": str(i) for i in range(200)}
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(CHAT_REPLY, headers={"X-Big": "b" * 9000, **many})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    up = await aiohttp_server(app)
+    gw = await gateway(upstream_url=str(up.make_url("")).rstrip("/"))
+    async with aiohttp.ClientSession(max_field_size=16 << 10, max_headers=512) as s, s.post(
+            gw.url + "/v1/chat/completions", data=orjson.dumps(sample("chat_short"))) as r:
+        assert r.status == 200 and await r.json() == CHAT_REPLY
+        assert r.headers["X-Big"] == "b" * 9000 and r.headers["X-H199"] == "199"
+
+
+async def test_anthropic_sdk_calls_off_messages_go_to_anthropic(
+    gateway: GatewayFactory, upstream: Upstream, aiohttp_server: Any
+) -> None:
+    """With the shipped upstreams (anthropic for /v1/messages*, openai for the rest), the
+    anthropic SDK's other calls (models, files) go to Anthropic, never with its key to
+    the OpenAI upstream; the OpenAI SDK's go to OpenAI."""
+    import anthropic
+
+    hits: list[str] = []
+
+    async def models(request: web.Request) -> web.Response:
+        hits.append(request.headers.get("x-api-key") or request.headers.get("Authorization", ""))
+        return web.json_response({"data": [{"type": "model", "id": "claude-x",
+                                            "display_name": "X", "created_at":
+                                            "2025-01-01T00:00:00Z"}],
+                                  "has_more": False, "first_id": "claude-x",
+                                  "last_id": "claude-x"})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    ant = await aiohttp_server(app)
+    gw = await gateway(upstreams=[
+        {"name": "anthropic", "base_url": str(ant.make_url("")).rstrip("/"),
+         "paths": ["/v1/messages*"]},
+        {"name": "openai", "base_url": upstream.url, "paths": ["/*"]}],
+        upstream_url=upstream.url)
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-ant-k",
+                                        max_retries=0) as c:
+        page = await c.models.list()
+    assert [m.id for m in page.data] == ["claude-x"] and hits[0].endswith("sk-ant-k")
+    assert not [r for r in upstream.received if r["path"].startswith("/v1/models")]
+    async with client(gw) as oc:
+        assert [m.id for m in (await oc.models.list()).data] == ["gpt-4o-mini"]
 
 
 async def test_upstream_error_relayed_unchanged(
