@@ -29,7 +29,15 @@ from .rules import Rules, Upstream
 from .session import client_refusal, session_id, tenant_of
 from .state import RedisState, SessionRecord, compare_cut, fingerprint, known_prefix
 from .store.model import build_record, format_ts, now_us
-from .upstream import DECODED, Relayed, has_dot_segment, injected_key, relay
+from .upstream import (
+    DECODED,
+    Relayed,
+    has_dot_segment,
+    injected_key,
+    is_websocket,
+    relay,
+    relay_websocket,
+)
 from .usage import log_fields as usage_log_fields
 from .wire.base import Wire
 from .wire.openai_chat import OPENAI_CHAT
@@ -707,6 +715,12 @@ async def _relay_as_is(request: web.Request, state: GatewayState, info: Relayed,
         _admit(rules, up, request)
     except Unauthorized as err:
         return error_response(err, flavor)
+    if is_websocket(request):  # the Realtime API's connect(): relayed message by message
+        try:
+            return await relay_websocket(request, state.pool, up, info,
+                                         rules.tenants.credential_headers)
+        except GatewayError as err:
+            return error_response(err, flavor)
     declared = request.content_length
     body: Any = None
     extra = None

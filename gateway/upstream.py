@@ -392,3 +392,75 @@ async def _discard(resp: aiohttp.ClientResponse) -> None:
     except (TimeoutError, aiohttp.ClientError, OSError):
         pass
     resp.close()
+
+
+MAX_WS_MESSAGE = 16 << 20  # one WebSocket message either way (Realtime audio is far less)
+
+
+def is_websocket(request: web.Request) -> bool:
+    """An upgrade to a WebSocket (the OpenAI Realtime API's connect())."""
+    return (request.method == "GET"
+            and request.headers.get("Upgrade", "").lower() == "websocket"
+            and "upgrade" in request.headers.get("Connection", "").lower())
+
+
+async def relay_websocket(request: web.Request, pool: UpstreamPool, up: Upstream,
+                          info: Relayed, credential_headers: tuple[str, ...] = ()
+                          ) -> web.StreamResponse:
+    """A WebSocket relayed: the upgrade passed on to the upstream (the client's headers
+    and subprotocols, as for any request), then every message both ways as it comes,
+    until either side closes, with its close code. A refused upgrade is relayed as the
+    upstream's status; raises GatewayError when the upstream cannot be reached."""
+    headers = request_headers(request.headers, up, credential_headers)
+    for name in [k for k in headers if k.lower().startswith("sec-websocket-")]:
+        headers.popall(name, None)
+    protocols = tuple(p.strip() for v in request.headers.getall("Sec-WebSocket-Protocol", ())
+                      for p in v.split(",") if p.strip())
+    t0 = time.perf_counter()
+    try:
+        upstream = await pool.session(up).ws_connect(
+            target_url(up, request.path_qs), headers=headers, protocols=protocols,
+            timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=10.0),
+            proxy=up.proxy, max_msg_size=MAX_WS_MESSAGE, autoping=True)
+    except aiohttp.WSServerHandshakeError as exc:  # the upstream answered, not with 101
+        info.status = exc.status
+        return web.Response(status=exc.status, text=exc.message or "",
+                            headers={k: v for k, v in (exc.headers or {}).items()
+                                     if k.lower() not in hop_by_hop(exc.headers or {})
+                                     and k.lower() != "content-length"})
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise map_transport_error(exc, up) from None
+    info.upstream_ms = (time.perf_counter() - t0) * 1000
+    info.status = 101
+    client = web.WebSocketResponse(
+        protocols=(upstream.protocol,) if upstream.protocol else (),
+        max_msg_size=MAX_WS_MESSAGE, autoping=True)
+    try:
+        await client.prepare(request)
+
+        async def pump(src: Any, dst: Any) -> None:
+            async for msg in src:
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    info.bytes_out += len(msg.data)
+                    await dst.send_str(msg.data)
+                elif msg.type == aiohttp.WSMsgType.BINARY:
+                    info.bytes_out += len(msg.data)
+                    await dst.send_bytes(msg.data)
+            await dst.close(code=src.close_code or aiohttp.WSCloseCode.OK)
+
+        both = [asyncio.ensure_future(pump(upstream, client)),
+                asyncio.ensure_future(pump(client, upstream))]
+        done, pending = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:  # the other side is closed by then: its pump ends too
+            try:
+                await asyncio.wait_for(task, 10)
+            except (TimeoutError, aiohttp.ClientError, ConnectionError):
+                task.cancel()
+        for task in done:
+            failed = task.exception()
+            if failed is not None and not isinstance(failed,
+                                                     aiohttp.ClientError | ConnectionError):
+                raise failed
+    finally:
+        await upstream.close()
+    return client

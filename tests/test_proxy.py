@@ -257,6 +257,47 @@ async def test_anthropic_sdk_calls_off_messages_go_to_anthropic(
         assert [m.id for m in (await oc.models.list()).data] == ["gpt-4o-mini"]
 
 
+async def test_websocket_is_relayed_message_by_message(
+    gateway: GatewayFactory, aiohttp_server: Any
+) -> None:
+    """A WebSocket (what OpenAI(base_url=gateway).realtime.connect() opens) goes to the
+    upstream with the client's key, query and subprotocol, and every text and binary
+    message comes back as sent, then the close; a refused upgrade is the upstream's
+    status."""
+    seen: list[Any] = []
+
+    async def realtime(request: web.Request) -> web.StreamResponse:
+        seen.append((request.query_string, request.headers.get("Authorization")))
+        if request.query.get("model") == "refused":
+            return web.Response(status=403, text="no realtime for you")
+        ws = web.WebSocketResponse(protocols=("realtime",))
+        await ws.prepare(request)
+        async for msg in ws:
+            if msg.type == aiohttp.WSMsgType.TEXT:
+                await ws.send_str("echo:" + msg.data)
+            elif msg.type == aiohttp.WSMsgType.BINARY:
+                await ws.send_bytes(msg.data[::-1])
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/v1/realtime", realtime)
+    up = await aiohttp_server(app)
+    gw = await gateway(upstream_url=str(up.make_url("")).rstrip("/"))
+    async with aiohttp.ClientSession() as s:
+        async with s.ws_connect(f"{gw.url}/v1/realtime?model=gpt-realtime",
+                                headers={"Authorization": f"Bearer {SECRET}"},
+                                protocols=("realtime",)) as ws:
+            assert ws.protocol == "realtime"
+            await ws.send_str('{"type": "session.update"}')
+            assert await ws.receive_str() == 'echo:{"type": "session.update"}'
+            await ws.send_bytes(b"\x00\x01audio")
+            assert await ws.receive_bytes() == b"oidua\x01\x00"
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await s.ws_connect(f"{gw.url}/v1/realtime?model=refused")
+    assert refused.value.status == 403
+    assert seen == [("model=gpt-realtime", f"Bearer {SECRET}"), ("model=refused", None)]
+
+
 async def test_upstream_error_relayed_unchanged(
     gateway: GatewayFactory, upstream: Upstream
 ) -> None:
