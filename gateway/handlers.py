@@ -73,7 +73,18 @@ async def contained_paths(request: web.Request, handler: Handler) -> web.StreamR
     if has_dot_segment(request.path):
         return error_response(BadPath("request path has '.' or '..' segments; the gateway "
                                       "does not resolve them"), flavor_for(request.path))
-    return await handler(request)
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if request.match_info.http_exception is None:  # a handler's own answer
+            raise
+        # no route takes it (a target that is no path: `CONNECT host:443`, `OPTIONS *`):
+        # the client's error format, not aiohttp's text
+        target = request.raw_path.split("?", 1)[0][:200]
+        err = GatewayError(f"the gateway does not serve {request.method} {target}"
+                           " (it is not a forward proxy: point base_url at it)")
+        err.status, err.code = exc.status, "not_routed"
+        return error_response(err, flavor_for(request.path))
 
 
 def _too_large(limit: int, declared: int | None = None) -> PayloadTooLarge:

@@ -298,6 +298,21 @@ async def test_websocket_is_relayed_message_by_message(
     assert seen == [("model=gpt-realtime", f"Bearer {SECRET}"), ("model=refused", None)]
 
 
+async def test_targets_that_are_no_path_get_a_json_error(gateway: GatewayFactory) -> None:
+    """`CONNECT host:443` (a client taking the gateway for a forward proxy) and
+    `OPTIONS *`: a JSON error in the API's shape, not aiohttp's text."""
+    gw = await gateway()
+    for line in (b"CONNECT api.openai.com:443 HTTP/1.1", b"OPTIONS * HTTP/1.1"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+        writer.write(line + b"\r\nHost: x\r\nConnection: close\r\n\r\n")
+        data = await reader.read()
+        writer.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 404") and b"application/json" in head, head
+        err = orjson.loads(body)["error"]
+        assert err["code"] == "not_routed" and "forward proxy" in err["message"]
+
+
 async def test_upstream_error_relayed_unchanged(
     gateway: GatewayFactory, upstream: Upstream
 ) -> None:
