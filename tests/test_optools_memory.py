@@ -162,28 +162,34 @@ def test_a_field_outside_its_kind_is_never_dropped_silently(kind: str, data: st.
             assert "unknown field" not in exc.message, (kind, own)
 
 
-def _rec(text: str, i: int) -> Record:
+def _rec(text: str, i: int, ts: int = 0) -> Record:
     return Record(memory_id=str(i), tenant="t", agent_id="", memory_type="message",
-                  session_id="s", ts=0, text=text, tags=[], fields={})
+                  session_id="s", ts=ts, text=text, tags=[], fields={})
 
 
 WORDS = st.sampled_from(["budget", "report", "csv", "预算", "订单", "weather", "plan", "x"])
 
 
-@given(st.lists(st.lists(WORDS, min_size=1, max_size=6).map(" ".join), min_size=1,
-                max_size=6), st.lists(WORDS, min_size=1, max_size=4).map(" ".join))
-def test_scores_are_the_share_of_query_terms_best_first(texts: list[str], query: str) -> None:
+@given(st.lists(st.tuples(st.lists(WORDS, min_size=1, max_size=6).map(" ".join),
+                          st.integers(0, 3)), min_size=1, max_size=6),
+       st.lists(WORDS, min_size=1, max_size=4).map(" ".join), st.integers(1, 6))
+def test_scores_are_the_share_of_query_terms_best_first(
+    texts: list[tuple[str, int]], query: str, top_k: int
+) -> None:
     """Every score is in 0..1, is the share of the query's terms the text holds, and the
-    results come best first (ties in the backend's order)."""
-    hits = [(_rec(t, i), float(-i)) for i, t in enumerate(texts)]
-    out = ranked(hits, query)
+    first top_k results come best first, ties to the newer: never in the backend's
+    order (FTS5's statistics are every tenant's)."""
+    hits = [(_rec(t, i, ts), float(-i)) for i, (t, ts) in enumerate(texts)]
+    out = ranked(hits, query, top_k)
     terms = query_terms(query)
-    assert sorted(id(r) for r, _ in out) == sorted(id(r) for r, _ in hits)
+    assert len(out) == min(top_k, len(hits))
+    assert {id(r) for r, _ in out} <= {id(r) for r, _ in hits}
+    assert ranked(hits[::-1], query, top_k) == out  # the backend's order changes nothing
     for r, score in out:
         assert 0.0 <= score <= 1.0
         words = set(index_text(r.text).split())
         assert score == round(sum(t in words for t in terms) / len(terms), 4)
     assert [s for _, s in out] == sorted((s for _, s in out), reverse=True)
     for (r1, a), (r2, b) in zip(out, out[1:]):
-        if a == b:  # a tie keeps the backend's (BM25) order
-            assert int(r1.memory_id) < int(r2.memory_id)
+        if a == b:  # a tie goes to the newer
+            assert (r1.ts, -int(r1.memory_id)) >= (r2.ts, -int(r2.memory_id))

@@ -127,6 +127,21 @@ def test_bad_requests_are_refused_precisely() -> None:
                                  "time_to": "2026-04-01T00:00:00Z"}}, "t", RULES)
 
 
+async def test_one_tenants_records_never_reorder_anothers_results(store: Store) -> None:
+    """A tenant's results are ordered by its own records alone: another tenant storing
+    records with one of the query's words (FTS5's statistics count every tenant's rows)
+    never flips them, so the order tells nothing about what others hold."""
+    mine = [turn("s", T0, "note control filler"), turn("s", T0 + HOUR, "note zebra7731 filler")]
+    await store.write(mine)
+    query = {"filter": {"session_id": "s"}, "query": "zebra7731 control", "top_k": 1}
+    before = [(r.memory_id, score) for r, score in await store.search(search(query))]
+    await store.write([turn("s", T0 - HOUR, f"the vault code is zebra7731 entry {i}",
+                            tenant="t-b") for i in range(6)])
+    after = [(r.memory_id, score) for r, score in await store.search(search(query))]
+    assert before == after and len(after) == 1
+    assert after[0][0] == mine[1].memory_id  # the tie goes to the newer
+
+
 async def test_delete_and_tenant_scoped_get(store: Store) -> None:
     """Another tenant can neither read nor delete a record."""
     rec = turn("s", T0, "secret plan")

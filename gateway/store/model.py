@@ -161,20 +161,30 @@ def query_terms(query: str) -> list[str]:
     return list(out)
 
 
-def ranked(hits: list[tuple[Record, float]], query: str) -> list[tuple[Record, float]]:
-    """A backend's hits (in its relevance order) scored by the share of the query's distinct
-    terms each record contains, 0..1, best first (a stable sort: ties keep the backend's
-    BM25 / ts_rank order). Unlike FTS5's BM25, whose IDF is clamped to 1e-6 for a term in
-    half the records or more (a store of one record scores its hit 1e-6), this score says
-    the same on every backend and every store size. No query: every hit scores 0."""
+def window(top_k: int) -> int:
+    """How many of a query's best hits by the backend's own rank are scored (ranked) for
+    its top_k: the backend's rank picks candidates, never their order."""
+    return max(8 * top_k, 32)
+
+
+def ranked(hits: list[tuple[Record, float]], query: str, top_k: int
+           ) -> list[tuple[Record, float]]:
+    """A backend's hits (its best `window(top_k)` by its own rank) scored by the share of
+    the query's distinct terms each record contains, 0..1, best first, ties to the newer;
+    the first top_k. Unlike FTS5's BM25, whose IDF is clamped to 1e-6 for a term in half
+    the records or more (a store of one record scores its hit 1e-6), this score says the
+    same on every backend and every store size, and the order is the tenant's own: FTS5's
+    statistics are every tenant's (ordered by them, one tenant's hits would tell whether
+    a word is in another's records). No query: every hit scores 0."""
     terms = query_terms(query)
     if not terms:
-        return [(r, 0.0) for r, _ in hits]
+        return [(r, 0.0) for r, _ in hits][:top_k]
     scored = []
     for r, _ in hits:
         words = set(index_text(r.text).split())
         scored.append((r, round(sum(t in words for t in terms) / len(terms), 4)))
-    return sorted(scored, key=lambda h: -h[1])
+    scored.sort(key=lambda h: (-h[1], -h[0].ts, h[0].memory_id))
+    return scored[:top_k]
 
 
 @dataclass(slots=True)

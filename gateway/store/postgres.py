@@ -24,6 +24,7 @@ from .model import (
     index_text,
     query_terms,
     ranked,
+    window,
 )
 from .schema import SCHEMA_VERSION
 
@@ -174,10 +175,10 @@ class PostgresStore:
             q = f"${len(args)}"
             sql = (f"SELECT {COLUMNS}, ts_rank(fts, to_tsquery('simple', {q})) AS score "
                    f"FROM memgate_memories WHERE {' AND '.join(where)} "
-                   f"ORDER BY score DESC, ts DESC LIMIT {int(f.top_k)}")
+                   f"ORDER BY score DESC, ts DESC LIMIT {window(int(f.top_k))}")
             with self._mapped():
                 rows = await self._pool.fetch(sql, *args)
-            return ranked([(_row(r), float(r["score"])) for r in rows], f.query)
+            return ranked([(_row(r), float(r["score"])) for r in rows], f.query, f.top_k)
         sql = (f"SELECT {COLUMNS} FROM memgate_memories WHERE {' AND '.join(where)} "
                f"ORDER BY ts DESC LIMIT {int(f.top_k)}")
         with self._mapped():

@@ -23,6 +23,7 @@ from .model import (
     index_text,
     query_terms,
     ranked,
+    window,
 )
 from .schema import SCHEMA_VERSION
 
@@ -224,7 +225,7 @@ def _search(db: sqlite3.Connection, f: Filter) -> list[tuple[Record, float]]:
                f"JOIN memories m ON m.rowid = memories_fts.rowid "
                f"WHERE memories_fts MATCH ? AND {' AND '.join(where)} "
                f"ORDER BY bm25(memories_fts), m.ts DESC LIMIT ?")
-        rows = db.execute(sql, [match, *args, f.top_k]).fetchall()
-        return ranked([(_row(r[:12]), -float(r[12])) for r in rows], f.query)
+        rows = db.execute(sql, [match, *args, window(f.top_k)]).fetchall()
+        return ranked([(_row(r[:12]), -float(r[12])) for r in rows], f.query, f.top_k)
     sql = f"SELECT {cols} FROM memories m WHERE {' AND '.join(where)} ORDER BY m.ts DESC LIMIT ?"
     return [(_row(r), 0.0) for r in db.execute(sql, [*args, f.top_k]).fetchall()]
