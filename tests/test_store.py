@@ -95,6 +95,14 @@ async def test_overlong_truncate_or_reject(store: Store) -> None:
     back = await store.get("t-a", cut.memory_id)
     assert back is not None and back.truncated and len(back.text) == 200
     assert back.public()["truncated"] is True
+    # a turn's two sides are cut together: what reads back is the text searched, within
+    # the limit (each side cut to it alone read back at nearly twice the limit)
+    rules = StoreRules(max_chars_per_record=50)
+    both = build_record({"memory_type": "turn", "agent_id": "a", "session_id": "s",
+                         "ts": format_ts(T0), "user_text": "u" * 45,
+                         "assistant_text": "the quokka " + "a" * 50}, "t-a", rules)
+    sides = both.fields["user_text"] + "\n" + both.fields["assistant_text"]
+    assert both.truncated and len(sides) <= 50 and sides.strip() == both.text
     with pytest.raises(StoreError) as exc:
         build_record({"memory_type": "turn", "agent_id": "a", "session_id": "s",
                       "ts": format_ts(T0), "user_text": long_text},
@@ -140,6 +148,15 @@ async def test_one_tenants_records_never_reorder_anothers_results(store: Store) 
     after = [(r.memory_id, score) for r, score in await store.search(search(query))]
     assert before == after and len(after) == 1
     assert after[0][0] == mine[1].memory_id  # the tie goes to the newer
+    # nor which of them come back: the best match among many weaker ones stays first
+    # however common another tenant makes its words
+    best = turn("s2", T0, "alpha beta")
+    await store.write([best, *(turn("s2", T0 + i, f"zeta note {i}") for i in range(40))])
+    query = {"filter": {"session_id": "s2"}, "query": "alpha beta zeta", "top_k": 1}
+    before = [(r.memory_id, score) for r, score in await store.search(search(query))]
+    await store.write([turn("s2", T0, f"alpha beta {i}", tenant="t-b") for i in range(200)])
+    after = [(r.memory_id, score) for r, score in await store.search(search(query))]
+    assert before == after == [(best.memory_id, 0.6667)]
 
 
 async def test_delete_and_tenant_scoped_get(store: Store) -> None:

@@ -461,11 +461,14 @@ def render_note(
     rest += [f"- tool result: {t}" for t in f.get("tool_results") or []]
     if f.get("dropped_candidates"):
         rest.append(f"- not chosen: {', '.join(f['dropped_candidates'])}")
-    recalled_lines = [f"- recalled: {r}" for r in recalled or []]
+    # a record's lines joined into one: a recalled text never makes a line of the note's
+    # own ("- task state: closed" inside an archived reply stays inside its line)
+    recalled_lines = [f"- recalled: {' / '.join(r.splitlines())}" for r in recalled or []]
     every = [*fixed, *confirmed, *rest]
     if not every:
-        return (None if not recalled_lines else
-                "\n".join([template.replace("{lines}", "").rstrip(), *recalled_lines]))
+        bare = template.replace("{lines}", "").rstrip()
+        lines = _within(recalled_lines, max_chars - len(bare))
+        return "\n".join([bare, *lines]) if lines else None
     room = max_chars - len(template.replace("{lines}", ""))
     if sum(len(x) + 1 for x in every) > room:
         room -= len(_LEFT_OUT.format(n=len(every))) + 1  # the line that says so
@@ -485,4 +488,21 @@ def render_note(
     if len(kept) < len(every):
         kept.append(_LEFT_OUT.format(n=len(every) - len(kept)))
     head = template.replace("{lines}", "\n".join(kept))
-    return "\n".join([head, *recalled_lines]) if recalled_lines else head
+    lines = _within(recalled_lines, max_chars - len(head))
+    return "\n".join([head, *lines]) if lines else head
+
+
+def _within(lines: list[str], room: int) -> list[str]:
+    """The recalled lines that fit `room` characters (each with its newline), the first
+    that does not cut to the room with "…" when at least 40 characters are left: the
+    note, recalled text included, stays within max_note_chars."""
+    out = []
+    for line in lines:
+        if len(line) + 1 <= room:
+            out.append(line)
+            room -= len(line) + 1
+            continue
+        if room - 1 >= 40:
+            out.append(line[: room - 2] + "…")
+        break
+    return out

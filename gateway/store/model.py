@@ -339,9 +339,13 @@ def build_record(body: Any, tenant: str, rules: StoreRules) -> Record:
             raise StoreError(f"record text is {len(text)} characters; the limit is {limit} "
                              "(store.max_chars_per_record, on_overlong: reject)", status=413)
         rec.original_chars, rec.truncated, rec.text = len(text), True, text[:limit]
-        for k in ("user_text", "assistant_text", "summary"):
-            if k in rec.fields:
-                rec.fields[k] = rec.fields[k][:limit]
+        if "user_text" in rec.fields:  # a turn's two sides: cut as its text is, together
+            user = rec.fields["user_text"][:limit]
+            assistant = rec.fields["assistant_text"][: max(0, limit - len(user) - 1)]
+            rec.fields.update(user_text=user, assistant_text=assistant)
+            rec.text = f"{user}\n{assistant}".strip()
+        if "summary" in rec.fields:
+            rec.fields["summary"] = rec.fields["summary"][:limit]
     return rec
 
 

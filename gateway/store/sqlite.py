@@ -220,12 +220,16 @@ def _search(db: sqlite3.Connection, f: Filter) -> list[tuple[Record, float]]:
     cols = ", ".join(f"m.{c.strip()}" for c in COLUMNS.split(","))
     terms = query_terms(f.query)
     if terms:
-        match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
-        sql = (f"SELECT {cols}, bm25(memories_fts) FROM memories_fts "
-               f"JOIN memories m ON m.rowid = memories_fts.rowid "
-               f"WHERE memories_fts MATCH ? AND {' AND '.join(where)} "
-               f"ORDER BY bm25(memories_fts), m.ts DESC LIMIT ?")
-        rows = db.execute(sql, [match, *args, window(f.top_k)]).fetchall()
-        return ranked([(_row(r[:12]), -float(r[12])) for r in rows], f.query, f.top_k)
+        # candidates by how many of the query's terms each record holds, then the newest:
+        # a count per record, never FTS5's BM25, whose statistics are every tenant's (one
+        # tenant's writes would change which of another's records come back)
+        each = " UNION ALL ".join(["SELECT rowid FROM memories_fts WHERE memories_fts MATCH ?"]
+                                  * len(terms))
+        sql = (f"SELECT {cols}, h.n FROM (SELECT rowid AS id, COUNT(*) AS n FROM ({each}) "
+               f"GROUP BY rowid) h JOIN memories m ON m.rowid = h.id "
+               f"WHERE {' AND '.join(where)} ORDER BY h.n DESC, m.ts DESC LIMIT ?")
+        quoted = ['"' + t.replace('"', '""') + '"' for t in terms]
+        rows = db.execute(sql, [*quoted, *args, window(f.top_k)]).fetchall()
+        return ranked([(_row(r[:12]), float(r[12])) for r in rows], f.query, f.top_k)
     sql = f"SELECT {cols} FROM memories m WHERE {' AND '.join(where)} ORDER BY m.ts DESC LIMIT ?"
     return [(_row(r), 0.0) for r in db.execute(sql, [*args, f.top_k]).fetchall()]
