@@ -194,7 +194,9 @@ def _supervise(args: argparse.Namespace, config: Path | None, env: Mapping[str, 
         return None
     command = [sys.executable, "-m", "gateway", "serve", "--host", host,
                "--drain-s", str(args.drain_s), "--workers", str(workers)]
-    for flag, value in (("--config", config and config.resolve()), ("--upstream", args.upstream),
+    # the path as given (made absolute), never its symlinks resolved: a Kubernetes
+    # ConfigMap's `..data` link flips to a new folder and deletes the old one
+    for flag, value in (("--config", config and config.absolute()), ("--upstream", args.upstream),
                         ("--anthropic-upstream", args.anthropic_upstream)):
         if value:
             command += [flag, str(value)]

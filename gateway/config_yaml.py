@@ -73,6 +73,15 @@ class _BoundedLoader(yaml.SafeLoader):
         self._depth -= 1
         if node is None:  # the stubs allow it; PyYAML's composer always returns a node
             return None
+        if isinstance(node, yaml.MappingNode):  # a key twice: the parse keeps the last
+            seen: set[str] = set()  # (a second `memory:` pasted below would drop the first)
+            for key, _ in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.value != "<<":
+                    if key.value in seen:
+                        raise _Refused(f"key {key.value!r} appears twice in this mapping "
+                                       "(the first would be silently dropped)",
+                                       key.start_mark)
+                    seen.add(key.value)
         size, height = self._measure(node)
         if size > MAX_NODES:
             raise _Refused(f"more than {MAX_NODES} nodes once aliases are expanded",

@@ -47,6 +47,8 @@ def _samples_dir(explicit: str | None) -> Path:
 
 
 def _write_config(src: Path | None, dst: Path, enable: bool) -> None:
+    if src is not None:  # a file the gateway would refuse: its one-line error, exit 2
+        load_rules(src, {})
     data: dict[str, Any] = yaml.safe_load(src.read_text(encoding="utf-8")) if src else {}
     data = data or {}
     memory = data.setdefault("memory", {})

@@ -2,7 +2,8 @@
 
 Polling `stat()` (following symlinks) catches in-place writes, atomic renames
 and Kubernetes ConfigMap `..data` symlink swaps alike, with no extra
-dependency. SIGHUP forces a reload. Files are read and validated on a worker
+dependency; a change is loaded once it has held for a poll (a file being written is
+not read halfway). SIGHUP forces a reload. Files are read and validated on a worker
 thread (within config_yaml's bounds): a hostile file costs that thread a few
 milliseconds, never the event loop. A file that fails to load, for whatever reason,
 is logged once (file, line, key, reason), the last good Rules keeps serving and the
@@ -57,6 +58,7 @@ class Reloader:
         self.on_result = on_result or (lambda _result: None)
         self._files = self._files_of(rules)
         self._sig = _signature(self._files)
+        self._settling: Signature | None = None  # a change seen, not yet steady for a poll
         self.ok = 0
         self.failed = 0
         self._failing = False
@@ -126,7 +128,15 @@ class Reloader:
             return False
         sig = _signature(self._files)
         if sig == self._sig:
+            self._settling = None
             return False
+        if sig != self._settling:
+            # changed since the last look: loaded once it stays so for a poll, so a file
+            # caught halfway written (parsing, its later sections still missing) is not
+            # applied with those sections at their defaults
+            self._settling = sig
+            return False
+        self._settling = None
         return await self.reload("watch")
 
     def hup(self) -> None:

@@ -478,8 +478,17 @@ def _order(v: Any) -> tuple[str, ...]:
 def _base_url(v: Any) -> str:
     s = _str()(v)
     parts = urlsplit(s)
+    # said without a user:password or query (a secret may sit there)
+    shown = repr(parts._replace(netloc=parts.netloc.rpartition("@")[2], query="").geturl())
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"must be an http(s) URL with a host, got {v!r}")
+        raise ValueError(f"must be an http(s) URL with a host, got {shown}")
+    try:  # what the client would refuse on every request, refused here once
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"port out of range 1-65535, got {shown}") from None
+    host = parts.hostname or ""
+    if not host or port == 0 or any(c.isspace() or c in "<>\"{}|\\^`" for c in host):
+        raise ValueError(f"must name a valid host (and port 1-65535), got {shown}")
     return s.rstrip("/")
 
 

@@ -224,6 +224,9 @@ BAD_FILES = {
     "empty": "",
     "comments_only": "# nothing here\n",
     "null": "~\n",
+    # a second block pasted below the first: the parse would keep it alone
+    "duplicate_key": "memory:\n  enable_eviction: true\nlisten: {port: 8080}\n"
+                     "memory:\n  budget: {max_tokens: 100}\n",
 }
 
 
@@ -506,3 +509,35 @@ async def test_handler_exception_is_a_json_500_without_its_text() -> None:
     assert SECRET not in log
     assert log.count("http_error status=500 error=ValueError where=test_bounded.py:") == 2
     assert 'http_server_error what="Missing return statement on request handler"' in log
+
+
+async def test_a_change_is_loaded_once_it_holds_for_a_poll(tmp_path: Path) -> None:
+    """The watcher loads a changed file only when the next poll finds it unchanged: a
+    file caught between two writes (its first sections written, parsing) is not applied
+    with the rest at defaults."""
+    import os
+
+    from gateway.reload import Reloader
+
+    path = tmp_path / "gateway.yaml"
+    full = "memory:\n  enable_eviction: true\nlisten: {port: 8111}\n"
+    path.write_text("memory:\n  enable_eviction: false\nlisten: {port: 8111}\n")
+    rules = load_rules(path, {})
+    swaps: list[Any] = []
+    events: list[Any] = []
+
+    class Log:
+        def info(self, *a: Any, **k: Any) -> None:
+            events.append(k)
+
+        error = info
+
+    r = Reloader(path, {}, rules, lambda old, new: swaps.append(new), Log())
+    half = full.split("listen")[0]
+    for i, text in enumerate((half, full)):  # each poll finds the file changed again
+        path.write_text(text)
+        os.utime(path, ns=(10**9 * (i + 1), 10**9 * (i + 1)))
+        assert await r.check() is False
+    assert swaps == []
+    assert await r.check() is True  # unchanged since the last poll: loaded whole
+    assert swaps[0].memory.mode == "on" and swaps[0].listen_port == 8111

@@ -524,3 +524,24 @@ def test_recalled_records_stay_within_the_note_and_their_own_lines(with_fields: 
     assert "- recalled: what we said / - task state: closed / - confirmed: skip the audit" in lines
     assert lines[-1].endswith("…")  # cut to the room left, and said so
     assert ("- task state: in_progress" in lines) == with_fields
+
+
+def test_a_question_answered_again_carries_the_new_answer_only() -> None:
+    """Seed 000 sample A, asked again later: "是否排除已取消订单？" answered "不排除", then
+    "排除": the note carries the new answer alone (both would contradict the history the
+    model still reads). A short question ("ok?") does not tell one from another: both
+    answers stay."""
+    patterns, carry = RULES.memory.carry_patterns, RULES.memory.carry
+    assert patterns is not None
+    msgs = [(1, "user", "把 /data/orders 里上周的订单按状态汇总，结果写到 report_0421.csv"),
+            (1, "assistant", "确认按状态分组输出 CSV，是否排除已取消订单？"),
+            (2, "user", "不排除，就按刚才那个路径跑"),
+            (2, "assistant", "需求有变吗？是否排除已取消订单？"),
+            (3, "user", "排除，只统计有效订单")]
+    snap = build_snapshot([Message(*m) for m in msgs], patterns, carry)
+    assert snap.get("confirmed_constraints") == ["是否排除已取消订单？ → 排除"]
+    short = [*msgs[:1], (1, "assistant", "格式用 CSV，可以吗？"), (2, "user", "可以"),
+             (2, "assistant", "结果要压缩，可以吗？"), (3, "user", "不要")]
+    snap = build_snapshot([Message(*m) for m in short], patterns, carry)
+    assert snap.get("confirmed_constraints") == [
+        "格式用 CSV，可以吗？ → 可以", "结果要压缩，可以吗？ → 不要"]

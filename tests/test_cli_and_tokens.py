@@ -183,3 +183,24 @@ def test_serve_logs_no_upstream_password_or_query() -> None:
     out = b"".join(seen)
     assert b"config_loaded" in out and b"127.0.0.1:9" in out, out[-500:]
     assert b"SECRET" not in out
+
+
+@pytest.mark.parametrize("args", [
+    ["replay", "ab", "{conv}", "--probes", "{bad}", "--upstream", "http://127.0.0.1:9",
+     "--out", "{out}"],
+    ["replay", "expect", "samples/carry/case_a_zh.jsonl", "{bad}"],
+    ["demo", "--config", "{bad}"],
+    ["demo", "--config", "{listed}"],
+])
+def test_tools_say_a_bad_yaml_file_in_one_line(tmp_path: Path, args: list[str]) -> None:
+    """A probes, expectations or config file that is not valid YAML (or not a mapping):
+    one line naming the file and where, exit 2, never a traceback."""
+    files = {"bad": tmp_path / "bad.yaml", "listed": tmp_path / "list.yaml",
+             "conv": tmp_path / "conv.json", "out": tmp_path / "rep"}
+    files["bad"].write_text("- [\n")
+    files["listed"].write_text("- 1\n")
+    files["conv"].write_text('{"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}')
+    res = memgate(*(a.format(**files) for a in args))
+    out = (res.stdout + res.stderr).strip()
+    assert res.returncode == 2 and "Traceback" not in out, out[-800:]
+    assert len(out.splitlines()) == 1 and "yaml" in out, out

@@ -228,3 +228,26 @@ def test_seed_003_parameters_under_store_are_accepted(tmp_path: Path) -> None:
         with pytest.raises(RulesError) as exc:
             load_rules(cfg, {})
         assert exc.value.key == "store.default_tags" and exc.value.line == 2
+
+
+@pytest.mark.parametrize("url,why", [
+    ("http://127.0.0.1:99999", "port out of range"),
+    ("http://bad host:80", "valid host"),
+    ("http://127.0.0.1:0", "valid host"),
+    ("ftp://u:pw-SECRET@example.com", "http(s) URL"),
+])
+def test_an_upstream_no_request_could_reach_is_refused(
+    tmp_path: Path, url: str, why: str
+) -> None:
+    """A base URL every request would fail on (a port past 65535, a host with a space)
+    is refused at load, naming the key, and its password is never said; from the
+    environment too."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(f"upstreams:\n  - name: openai\n    base_url: '{url}'\n    paths: ['/*']\n")
+    with pytest.raises(RulesError) as exc:
+        load_rules(path, {})
+    assert why in str(exc.value) and "base_url" in str(exc.value.key)
+    assert "SECRET" not in str(exc.value)
+    with pytest.raises(RulesError) as env_exc:
+        load_rules(None, {"MEMGATE_UPSTREAM": url})
+    assert why in str(env_exc.value) and "SECRET" not in str(env_exc.value)

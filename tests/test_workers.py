@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -311,3 +312,29 @@ def test_metrics_dir_is_fresh_and_leftovers_of_dead_gateways_go(
     assert fresh.parent == tmp_path and fresh.is_dir() and not list(fresh.iterdir())
     assert (fresh.stat().st_mode & 0o777) == 0o700
     assert not dead.exists() and alive.exists()
+
+
+async def test_workers_see_a_configmap_flip(upstream: Upstream, tmp_path: Path) -> None:
+    """A Kubernetes ConfigMap mount: gateway.yaml -> ..data/gateway.yaml, ..data ->
+    ..v1. The volume update writes ..v2, flips ..data and deletes ..v1: every worker
+    loads the new file (the path is watched as given, never its symlinks resolved)."""
+    mount = tmp_path / "mount"
+    (mount / "..v1").mkdir(parents=True)
+    write_config(mount / "..v1" / "gateway.yaml")
+    (mount / "..data").symlink_to("..v1")
+    (mount / "gateway.yaml").symlink_to("..data/gateway.yaml")
+    proc, port, log = await start_workers(upstream.url, tmp_path, mount / "gateway.yaml")
+    try:
+        (mount / "..v2").mkdir()
+        write_config(mount / "..v2" / "gateway.yaml", {"enable_eviction": True})
+        (mount / "..data_tmp").symlink_to("..v2")
+        (mount / "..data_tmp").rename(mount / "..data")  # atomic, as the kubelet does
+        shutil.rmtree(mount / "..v1")
+        await wait_log(log, lambda t: len(re.findall(
+            r"^(?:\S+Z )?info config_reload result=ok .* worker=\d$", t, re.M)) == 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -34,7 +34,12 @@ def load_session(path: Path) -> list[Message]:
 
 
 def load_expectations(path: Path) -> Expectations:
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    from ..replay import yaml_problem
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: invalid YAML: {yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of turn -> expectations")
     return {int(k): v or {} for k, v in data.items()}

@@ -85,6 +85,15 @@ def _sentences_with_question(text: str) -> str:
 
 
 _CLAUSE_END = re.compile(r"[，,。；;.!！]")
+_CLAUSES = re.compile(r"[，,；;、]")
+
+
+def _asked(question: str) -> str | None:
+    """What a question asks, to tell it asked again: its last clause, spaces gone ("确认
+    按状态分组输出 CSV，是否排除已取消订单？" and "是否排除已取消订单？" ask one thing);
+    None when that is too short to tell one question from another ("ok?")."""
+    last = "".join(_CLAUSES.split(question)[-1].split())
+    return last if len(last) >= 6 else None
 _NOT_SPACE = re.compile(r"\S")
 _LINE_END = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")  # str.splitlines'
 
@@ -341,6 +350,11 @@ class Fold:
         files = [v for t, v in x.refs if t == "file"] if x.refs else ()
         if role == "user":
             if self.pending_question is not None:
+                # the same question answered again: the new answer replaces the old
+                asked = _asked(self.pending_question)
+                if asked is not None:
+                    self.constraints = [c for c in self.constraints
+                                        if _asked(c.rsplit(" → ", 1)[0]) != asked]
                 self.constraints.append(f"{self.pending_question} → {x.first_clause}")
                 self.pending_question = None
                 self.task_state = "in_progress"
