@@ -159,6 +159,18 @@ async def test_one_tenants_records_never_reorder_anothers_results(store: Store) 
     assert before == after == [(best.memory_id, 0.6667)]
 
 
+async def test_accented_words_are_found_alike_on_both_backends(store: Store) -> None:
+    """A record is a result only when it holds one of the query's words as indexed:
+    SQLite FTS5 folds "cafe" onto "café", PostgreSQL does not; neither answers "cafe
+    resume" with the "café … résumé" record (it would score 0), both answer "café"."""
+    rec = turn("s", T0, "café au lait, naïve résumé")
+    await store.write([rec])
+    assert await store.search(search({"filter": {"session_id": "s"},
+                                      "query": "cafe resume"})) == []
+    got = await store.search(search({"filter": {"session_id": "s"}, "query": "café"}))
+    assert [(r.memory_id, score) for r, score in got] == [(rec.memory_id, 1.0)]
+
+
 async def test_delete_and_tenant_scoped_get(store: Store) -> None:
     """Another tenant can neither read nor delete a record."""
     rec = turn("s", T0, "secret plan")

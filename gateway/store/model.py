@@ -182,7 +182,9 @@ def ranked(hits: list[tuple[Record, float]], query: str, top_k: int
     scored = []
     for r, _ in hits:
         words = set(index_text(r.text).split())
-        scored.append((r, round(sum(t in words for t in terms) / len(terms), 4)))
+        share = round(sum(t in words for t in terms) / len(terms), 4)
+        if share:  # none of its words: a backend's own folding found it (SQLite's
+            scored.append((r, share))  # FTS5 takes "cafe" for "café", PostgreSQL not)
     scored.sort(key=lambda h: (-h[1], -h[0].ts, h[0].memory_id))
     return scored[:top_k]
 
