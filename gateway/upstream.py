@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from aiohttp.http_writer import StreamWriter
 from aiohttp.payload import BytesPayload, Payload
 from multidict import CIMultiDict
 
-from .errors import GatewayError, UpstreamTimeout, UpstreamUnreachable
+from .errors import BadRequest, GatewayError, UpstreamTimeout, UpstreamUnreachable
 from .rules import Upstream
 from .usage import reader_for
 
@@ -35,6 +36,9 @@ HOP_BY_HOP = frozenset(
         "proxy-connection", "expect",
     )
 )
+
+
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # how the server hands on a byte not UTF-8
 
 
 def hop_by_hop(headers: Any) -> frozenset[str]:
@@ -213,6 +217,11 @@ def request_headers(incoming: Any, up: Upstream,
     for k, v in incoming.items():
         low = k.lower()
         if low not in hop and low not in GATEWAY_HEADERS:
+            if not v.isascii() and _NOT_UTF8.search(v):
+                # bytes that are not UTF-8 arrive as lone surrogates, which the client
+                # would drop (`Bearer sk-\xe9t` sent as `Bearer sk-t`): refused, not changed
+                raise BadRequest(f"header {k!r} holds bytes that are not UTF-8; the gateway "
+                                 "cannot pass them on unchanged")
             out.add(k, v)
     if up.api_key_env:
         key = injected_key(up)

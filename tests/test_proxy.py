@@ -313,6 +313,31 @@ async def test_targets_that_are_no_path_get_a_json_error(gateway: GatewayFactory
         assert err["code"] == "not_routed" and "forward proxy" in err["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/echo", "/v1/messages"])
+async def test_a_header_not_utf8_is_refused_not_changed(
+    gateway: GatewayFactory, upstream: Upstream, path: str
+) -> None:
+    """A header value with bytes that are not UTF-8 cannot be passed on as it came (the
+    HTTP client would drop them: `Bearer sk-\\xe9t` sent as `Bearer sk-t`): a 400 in the
+    API's shape naming the header, and nothing reaches the upstream."""
+    gw = await gateway()
+    body = orjson.dumps(sample("anthropic_long_tools" if "messages" in path else "chat_short"))
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+    writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/json\r\nX-Lat: caf\xe9\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n"
+                 b"Connection: close\r\n\r\n" + body)
+    data = await reader.read()
+    writer.close()
+    head, _, answer = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    err = orjson.loads(answer)
+    if "messages" in path:
+        assert err["type"] == "error"
+    assert "'X-Lat'" in err["error"]["message"] and "UTF-8" in err["error"]["message"]
+    assert upstream.received == []
+
+
 async def test_upstream_error_relayed_unchanged(
     gateway: GatewayFactory, upstream: Upstream
 ) -> None:
