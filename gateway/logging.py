@@ -106,6 +106,27 @@ class JsonRenderer:
         return orjson.dumps(dict(ev), default=str).decode()
 
 
+class LineLogger(structlog.PrintLogger):
+    """structlog's PrintLogger writing each line and its newline in one write: print()
+    writes them apart, and through stderr (write-through) the workers of `serve
+    --workers N`, sharing it, interleaved their lines."""
+
+    def msg(self, message: str) -> None:
+        with self._lock:
+            self._file.write(message + "\n")
+            self._file.flush()
+
+    log = debug = info = warn = warning = err = error = critical = exception = fatal = msg
+
+
+class LineLoggerFactory:
+    def __init__(self, file: TextIO) -> None:
+        self._file = file
+
+    def __call__(self, *args: Any) -> LineLogger:
+        return LineLogger(self._file)
+
+
 def configure(
     fmt: str = "console",
     level: str = "info",
@@ -138,7 +159,7 @@ def configure(
         wrapper_class=structlog.make_filtering_bound_logger(
             getattr(logging, level.upper(), logging.INFO)
         ),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        logger_factory=LineLoggerFactory(stream or sys.stderr),
         # a logger obtained after configure() keeps this pipeline; reconfiguring
         # (a reload that changes the format) hands out new loggers
         cache_logger_on_first_use=True,

@@ -268,13 +268,16 @@ MESSAGES_BODY = orjson.dumps({"model": "claude-3-5-haiku-20241022", "max_tokens"
 async def test_non_utf8_credentials_are_no_credential_not_a_500(
     gateway: GatewayFactory, upstream: Upstream, tmp_path: Path, header: bytes
 ) -> None:
-    """Non-UTF-8 bytes in a credential header: the request is served as keyless (relayed,
-    no memory) and the memory API answers 401, never a 500."""
+    """Non-UTF-8 bytes in a credential header: no tenant, and the request is refused
+    with a 400 naming the header (the HTTP client would drop those bytes: the key would
+    reach the upstream changed), nothing stored; the memory API answers 401. Never a
+    500."""
     gw, db = await start(gateway, tmp_path, env={"MEMGATE_ADMIN_TOKEN": "adm-token"})
+    name = header.split(b":")[0].decode()
     for path, body in (("/v1/chat/completions", CHAT_BODY), ("/v1/messages", MESSAGES_BODY)):
         status, answer = await raw_request(gw, "POST", path, [header], body)
-        assert status == 200, answer
-    await flushed(gw, 2)
+        assert status == 400 and f"header '{name}'" in orjson.loads(answer)["error"]["message"]
+    assert upstream.received == []
     assert stored(db) == []
     status, answer = await raw_request(gw, "POST", "/v1/memories", [header], orjson.dumps(RECORD))
     assert status == 401 and orjson.loads(answer)["error"]["code"] == "unauthorized"
