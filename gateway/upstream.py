@@ -36,8 +36,8 @@ HOP_BY_HOP = frozenset(
         "proxy-connection", "expect",
     )
 )
-
-
+# the gateway's own request headers: consumed here, never sent upstream
+GATEWAY_HEADERS = frozenset(("x-memgate-admin-token",))
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")  # how the server hands on a byte not UTF-8
 
 
@@ -45,8 +45,8 @@ def hop_by_hop(headers: Any) -> frozenset[str]:
     """HOP_BY_HOP and the headers this message's `Connection` names (RFC 9110 7.6.1)."""
     named = [t.strip().lower() for v in headers.getall("Connection", ()) for t in v.split(",")]
     return HOP_BY_HOP.union(named) if named else HOP_BY_HOP
-# the gateway's own request headers: consumed here, never sent upstream
-GATEWAY_HEADERS = frozenset(("x-memgate-admin-token",))
+
+
 # an upstream's refusals of a body as invalid: the answers a body the gateway changed is
 # resent for, as the client sent it (a 401, 429 or 5xx is not about the body)
 REFUSALS = frozenset((400, 413, 422))
@@ -444,6 +444,7 @@ async def relay_websocket(request: web.Request, pool: UpstreamPool, up: Upstream
     client = web.WebSocketResponse(
         protocols=(upstream.protocol,) if upstream.protocol else (),
         max_msg_size=MAX_WS_MESSAGE, autoping=True)
+    both: list[asyncio.Future[None]] = []
     try:
         await client.prepare(request)
 
@@ -457,8 +458,8 @@ async def relay_websocket(request: web.Request, pool: UpstreamPool, up: Upstream
                     await dst.send_bytes(msg.data)
             await dst.close(code=src.close_code or aiohttp.WSCloseCode.OK)
 
-        both = [asyncio.ensure_future(pump(upstream, client)),
-                asyncio.ensure_future(pump(client, upstream))]
+        both += [asyncio.ensure_future(pump(upstream, client)),
+                 asyncio.ensure_future(pump(client, upstream))]
         done, pending = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:  # the other side is closed by then: its pump ends too
             try:
@@ -470,6 +471,8 @@ async def relay_websocket(request: web.Request, pool: UpstreamPool, up: Upstream
             if failed is not None and not isinstance(failed,
                                                      aiohttp.ClientError | ConnectionError):
                 raise failed
-    finally:
+    finally:  # the client gone (the handler cancelled): neither pump outlives it
+        for task in both:
+            task.cancel()
         await upstream.close()
     return client
