@@ -14,6 +14,7 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,9 @@ class Capture:
         """The next `around_change` requests are captured: before/after samples per change."""
         self.after_change = rules.around_change if rules.enabled else 0
 
-    def offer(self, rules: CaptureRules, rid: str, record: dict[str, Any]) -> bool:
-        """Queue one record if this request is sampled; never blocks."""
+    def offer(self, rules: CaptureRules, rid: str, make: Callable[[], dict[str, Any]]) -> bool:
+        """Queue one record (`make()`, called only for a sampled request: making it reads
+        both bodies) if this request is sampled; never blocks."""
         if not rules.enabled:
             return False
         if self.after_change > 0:
@@ -67,7 +69,7 @@ class Capture:
         elif random.random() >= rules.sample_rate:
             return False
         try:
-            self.queue.put_nowait((rules, rid, orjson.dumps(record)))
+            self.queue.put_nowait((rules, rid, orjson.dumps(make())))
         except asyncio.QueueFull:
             self.dropped += 1
             return False

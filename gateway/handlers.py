@@ -613,7 +613,7 @@ def _log_mem(
         fields.update(fallback="original", first_status=info.first_status)
     state.log.info("mem", **fields)
     if d is not None:
-        state.capture.offer(state.rules.capture, rid, capture_record(
+        state.capture.offer(state.rules.capture, rid, lambda: capture_record(
             fields, wire.name, d.raw, d.payload is not None, d.forward))
     state.metrics.observe(wire.name, fields["mode"], d, info, overhead_ms / 1000,
                           fields.get("est_tokens") if d is not None and d.conv else None)
