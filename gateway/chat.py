@@ -686,14 +686,11 @@ def _input_began(conv: Conversation, wire: Wire, items: list[Any]) -> int | None
     k = len(items)
     while k and wire.continues_input(items[k - 1]):
         k -= 1
-    if k == len(items):
+    g = conv.group_of(k) if k < len(items) else None
+    if g is None:
         return None
-    groups = conv.groups
-    for g in range(len(groups) - 1, -1, -1):  # the group holding item k
-        grp = groups[g]
-        if grp.indices[0] <= k:
-            return grp.turn if grp.turn < conv.n_turns else None
-    return None
+    turn = conv.groups[g].turn
+    return turn if turn < conv.n_turns else None
 
 
 def current_turn_start(conv: Conversation | None) -> int | None:

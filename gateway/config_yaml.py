@@ -100,6 +100,19 @@ class _BoundedLoader(yaml.SafeLoader):
         return 1 + sum(s for s, _ in sizes), 1 + max((h for _, h in sizes), default=0)
 
 
+def yaml_problem(exc: yaml.YAMLError) -> tuple[str | None, int | None]:
+    """A YAML error's problem and its line (1-based); None where PyYAML names none."""
+    mark = getattr(exc, "problem_mark", None)
+    return getattr(exc, "problem", None), (mark.line + 1 if mark is not None else None)
+
+
+def yaml_error_line(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line, what and where (line N), without PyYAML's excerpt."""
+    problem, line = yaml_problem(exc)
+    what = problem or type(exc).__name__
+    return f"{what} (line {line})" if line is not None else what
+
+
 def load_yaml(path: Path) -> tuple[Any, yaml.Node]:
     """The data of one YAML config file and its node tree (for line numbers), or a
     RulesError: unreadable, over MAX_BYTES, invalid, out of bounds, or empty."""
@@ -120,9 +133,8 @@ def load_yaml(path: Path) -> tuple[Any, yaml.Node]:
         root = loader.get_single_node()
         data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        problem = getattr(exc, "problem", None) or str(exc)
+        problem, line = yaml_problem(exc)
+        problem = problem or str(exc)
         what = "refused" if isinstance(exc, _Refused) else "invalid YAML"
         raise RulesError(file, line, "<yaml>", f"{what}: {problem}") from None
     except (ValueError, OverflowError) as exc:  # e.g. a timestamp like 2024-13-45

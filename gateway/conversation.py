@@ -11,6 +11,7 @@ this shape. Nothing here does I/O.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +110,13 @@ class Conversation:
         if self.pinned is None:
             self.pinned = [g for g, grp in enumerate(self.groups) if grp.pins]
         return self.pinned
+
+    def group_of(self, i: int, end: int | None = None) -> int | None:
+        """The group (among groups[:end]) holding item i; None for a fixed item or none."""
+        groups = self.groups
+        g = bisect.bisect_right(groups, i, 0, len(groups) if end is None else end,
+                                key=lambda grp: grp.indices[0]) - 1
+        return g if g >= 0 and i in groups[g].indices else None
 
     @property
     def tooled_groups(self) -> list[int]:

@@ -47,15 +47,14 @@ def _samples_dir(explicit: str | None) -> Path:
 
 
 def _write_config(src: Path | None, dst: Path, enable: bool) -> None:
-    if src is not None:  # a file the gateway would refuse: its one-line error, exit 2
-        load_rules(src, {})
+    # first: a file the gateway would refuse is its one-line error, exit 2
+    resolved = load_rules(src, {}) if src is not None else None
     data: dict[str, Any] = yaml.safe_load(src.read_text(encoding="utf-8")) if src else {}
     data = data or {}
     memory = data.setdefault("memory", {})
     memory["enable_eviction"] = enable
     memory["shadow"] = True
-    if src is not None:  # the copy lives elsewhere: the files the original resolved to
-        resolved = load_rules(src, {})
+    if resolved is not None:  # the copy lives elsewhere: the files the original resolved to
         data["tokens"] = {**(data.get("tokens") or {}), "models_file": resolved.models_path}
         carry = memory.get("carry")
         if isinstance(carry, dict) and resolved.carry_path is not None:

@@ -28,6 +28,7 @@ import yaml
 
 from .capture import SIDE_MEANS, describe_side, is_capture, unwrap
 from .chat import decide
+from .config_yaml import yaml_error_line
 from .conversation import first_text, is_active
 from .rules import Rules
 from .tokens import Tokenizers
@@ -53,18 +54,11 @@ class ProbeResult:
         return all(ok for ok, _ in self.checks.values())
 
 
-def yaml_problem(exc: yaml.YAMLError) -> str:
-    """A YAML error in one line: what and where (line N), without PyYAML's excerpt."""
-    problem = getattr(exc, "problem", None) or type(exc).__name__
-    mark = getattr(exc, "problem_mark", None)
-    return f"{problem} (line {mark.line + 1})" if mark is not None else str(problem)
-
-
 def load_probes(path: Path) -> list[Probe]:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: invalid YAML: {yaml_problem(exc)}") from None
+        raise ValueError(f"{path}: invalid YAML: {yaml_error_line(exc)}") from None
     items = data.get("probes") if isinstance(data, dict) else data
     if not isinstance(items, list) or not items:
         raise ValueError(f"{path}: expected a list of probes (or probes: [...])")

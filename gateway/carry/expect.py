@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 import yaml
 
+from ..config_yaml import yaml_error_line
 from .rules import CarryPatterns
 from .snapshot import CarryRules, Message, build_snapshot
 
@@ -34,12 +35,10 @@ def load_session(path: Path) -> list[Message]:
 
 
 def load_expectations(path: Path) -> Expectations:
-    from ..replay import yaml_problem
-
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: invalid YAML: {yaml_problem(exc)}") from None
+        raise ValueError(f"{path}: invalid YAML: {yaml_error_line(exc)}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of turn -> expectations")
     return {int(k): v or {} for k, v in data.items()}

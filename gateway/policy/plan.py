@@ -750,13 +750,8 @@ def _cache_marked_groups(conv: Conversation, end: int) -> frozenset[int]:
     """The groups before `end` holding a message with a prompt-cache breakpoint. The fill
     leaves them dropped: moved after the stable prefix, a client's 1-hour breakpoint
     could follow a 5-minute one, which Anthropic refuses (1h entries must come first)."""
-    groups = conv.groups
-    out = set()
-    for i in conv.cache_marked:
-        g = bisect.bisect_right(groups, i, 0, end, key=lambda grp: grp.indices[0]) - 1
-        if 0 <= g and i in groups[g].indices:
-            out.add(g)
-    return frozenset(out)
+    held = (conv.group_of(i, end) for i in conv.cache_marked)
+    return frozenset(g for g in held if g is not None)
 
 
 def _eligible(st: _State, end: int, marked: frozenset[int]) -> Container[int]:

@@ -209,6 +209,10 @@ class AnthropicMessages(Wire):
         return (isinstance(item, dict) and item.get("role") == "user"
                 and not tool_ids(item.get("content"), "tool_result", "tool_use_id"))
 
+    def continues_input(self, item: Any) -> bool:
+        # tool results are user messages, which the API merges with those around them
+        return isinstance(item, dict) and item.get("role") == "user"
+
     def tool_results(self, items: list[Any], start: int = 0,
                      names: dict[Any, str] | None = None) -> list[ToolResult]:
         # a tool_result's content: a string, or text blocks only (they become one string;

@@ -60,7 +60,7 @@ class Wire:
         """Is this item the caller's (a user message, a wire's tool results sent as one)?
         The run of them that ends the list is the input since the model's last reply,
         all of it the current turn."""
-        return isinstance(item, dict) and item.get("role") == "user"
+        return self.starts_turn(item)
 
     def item_chars(self, item: Any) -> int:
         raise NotImplementedError

@@ -286,9 +286,6 @@ class OpenAIResponses(Wire):
         return (isinstance(item, dict) and item_type(item) == "message"
                 and item.get("role") == "user")
 
-    def continues_input(self, item: Any) -> bool:
-        return self.starts_turn(item)
-
     def item_role(self, item: Any) -> str:
         t = item_type(item) if isinstance(item, dict) else None
         if t == "message":
