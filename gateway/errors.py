@@ -22,7 +22,9 @@ from typing import Literal
 
 import orjson
 
-ApiFlavor = Literal["openai", "anthropic"]
+# "any": a request whose path is unknown (the HTTP parser refused it): a body both
+# SDKs read, Anthropic's shape with OpenAI's fields inside its `error`
+ApiFlavor = Literal["openai", "anthropic", "any"]
 
 
 class GatewayError(Exception):
@@ -94,7 +96,7 @@ class CommandError(Exception):
 
 def render_error(err: GatewayError, flavor: ApiFlavor = "openai") -> bytes:
     """JSON error body in the client's API shape."""
-    if flavor == "anthropic":
+    if flavor != "openai":
         anthropic_type = {
             400: "invalid_request_error",
             401: "authentication_error",
@@ -104,9 +106,10 @@ def render_error(err: GatewayError, flavor: ApiFlavor = "openai") -> bytes:
             502: "api_error",
             504: "timeout_error",
         }.get(err.status, "api_error")
-        return orjson.dumps(
-            {"type": "error", "error": {"type": anthropic_type, "message": err.message}}
-        )
+        error: dict[str, object] = {"type": anthropic_type, "message": err.message}
+        if flavor == "any":
+            error |= {"code": err.code, "param": None}
+        return orjson.dumps({"type": "error", "error": error})
     return orjson.dumps(
         {"error": {"message": err.message, "type": "gateway_error", "code": err.code,
                    "param": None}}

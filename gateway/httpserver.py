@@ -5,7 +5,8 @@ header line) is answered by the server itself, before any handler or middleware:
 a text/plain 400 whose body is the parser's message, which quotes the offending
 line, API key included, logged with the same text and a traceback on
 `aiohttp.server`. Here such a request gets a JSON 400 in the gateway's error shape
-naming only the kind of error, and one `http_bad_request` line without the bytes.
+naming only the kind of error (a body both SDKs read: the request's path, so its
+API, is unknown), and one `http_bad_request` line without the bytes.
 An exception escaping a handler is answered the same way (500, `http_error`).
 """
 
@@ -77,7 +78,9 @@ class _SafeErrors(RequestHandler):
             log.error("http_error", status=status, **_where(exc))
         if request.writer.output_size > 0:  # as aiohttp: too late for another response
             raise ConnectionError("response already started, cannot send the error")
-        resp = web.Response(status=status, body=render_error(err, flavor_for(request.path)),
+        # a request the parser refused is aiohttp's placeholder (path "/"): its API unknown
+        flavor = "any" if isinstance(exc, HttpProcessingError) else flavor_for(request.path)
+        resp = web.Response(status=status, body=render_error(err, flavor),
                             content_type="application/json")
         resp.force_close()
         return resp

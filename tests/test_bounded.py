@@ -448,13 +448,43 @@ async def test_malformed_http_never_echoes_a_key(
             assert SECRET.encode() not in data, data
             status, headers, body = split_response(data)
             assert status == 400 and headers["content-type"].startswith("application/json")
-            assert orjson.loads(body)["error"]["code"] == "bad_http_request"
+            error = orjson.loads(body)["error"]
+            assert error["code"] == "bad_http_request"
+            assert error["type"] == "invalid_request_error"
+        # the path, so the API, is unknown here: a body each SDK reads as its own
+        for raised in await asyncio.gather(*(asyncio.to_thread(sdk_call, port, api)
+                                             for api in ("openai", "anthropic"))):
+            assert raised.status_code == 400 and "malformed HTTP request" in raised.message
+            assert raised.type == "invalid_request_error"
+            assert getattr(raised, "code", "bad_http_request") == "bad_http_request"
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 15)
     text = log.read_text(encoding="utf-8", errors="replace")
     assert SECRET not in text and SECRET[:12] not in text, text
-    assert text.count("http_bad_request") == len(MALFORMED)
+    assert text.count("http_bad_request") == len(MALFORMED) + 2
+
+
+def sdk_call(port: int, api: str) -> Any:
+    """The error one SDK raises for a request with a 9 KB header (the parser refuses it)."""
+    import anthropic
+    import openai
+
+    big = {"x-trace": "a" * 9000}
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if api == "openai":
+            openai.OpenAI(base_url=url + "/v1", api_key=SECRET, max_retries=0,
+                          default_headers=big).chat.completions.create(
+                model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+        else:
+            anthropic.Anthropic(base_url=url, api_key=SECRET, max_retries=0,
+                                default_headers=big).messages.create(
+                model="claude-sonnet-4-5", max_tokens=8,
+                messages=[{"role": "user", "content": "hi"}])
+    except (openai.APIStatusError, anthropic.APIStatusError) as e:
+        return e
+    raise AssertionError(f"{api}: no error raised")
 
 
 async def test_handler_exception_is_a_json_500_without_its_text() -> None:
