@@ -133,9 +133,12 @@ class Decision:
         return forward_order(stable, moved, current) if moved and current is not None else stable
 
     def kept_tokens(self) -> int:
-        """Estimated tokens of the request with only the plan's kept messages."""
+        """Estimated tokens of the request with only the plan's kept messages (and the
+        carry note, when one is forwarded)."""
         assert self.plan is not None
-        return self.overhead_tokens() + sum(self.planned_tokens(i) for i in self.plan.kept)
+        note = _note_cost(self)[0] if self.note is not None else 0
+        return (self.overhead_tokens() + note
+                + sum(self.planned_tokens(i) for i in self.plan.kept))
 
     def uncounted_chars(self) -> int:
         """Characters of the messages whose tokens the session's cache does not hold
@@ -333,19 +336,32 @@ def _plan_into(
         counted_by = d.counter  # one per encoding and factor; not the session `key`
         text_of = _text_of(wire, items)
         note_room = _note_room(d, rules, items, recalled) if d.mode == "on" else None
-        todo = _compactable(d, rules) if "compact_tools" in rules.memory.eviction.order else {}
+        todo, spare = (_compactable(d, rules) if "compact_tools" in rules.memory.eviction.order
+                       else ({}, {}))
         # with tool results to compact, this plan only tells whether the history is cut
         # (the stages under the whole budget): it is planned again either way, so the
         # stable part's second pass and the fill are not run for it
+        probe = bool(todo or spare)
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
                       tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by,
-                      text_of=None if todo else text_of, reserve=None if todo else note_room)
+                      text_of=None if probe else text_of, reserve=None if probe else note_room)
         # over budget with nothing to drop: an agent loop's one long current turn
-        if todo and (d.plan.dropped or d.plan.over_budget):
-            compacted = _compact(d, rules, todo, archive_in)
-            counts = d.planned_tokens if compacted else d.message_tokens
-            d.plan = plan(d.conv, prules, counts, overhead_tokens=overhead,
-                          tokens_key=counted_by, text_of=text_of, reserve=note_room)
+        if probe and (d.plan.dropped or d.plan.over_budget):
+            client_conv = d.conv
+            for _ in range(2):
+                compacted = _compact(d, rules, todo, archive_in)
+                counts = d.planned_tokens if compacted else d.message_tokens
+                d.plan = plan(d.conv, prules, counts, overhead_tokens=overhead,
+                              tokens_key=counted_by, text_of=text_of, reserve=note_room)
+                # keep_recent holds the newest results whole, but not at the price of
+                # their turn: those the plan dropped are compacted too, and planned again
+                lost = {i: rs for i, rs in spare.items() if not _holds(d.plan.kept, i)}
+                if not lost:
+                    break
+                # (an item's older results first, as in `todo`: these are the newest)
+                todo = {**todo, **{i: todo.get(i, []) + rs for i, rs in lost.items()}}
+                spare = {}
+                d.conv, d.compacted, d.compact_tokens, d.archived = client_conv, {}, {}, {}
         if d.noted and not d.plan.dropped:  # the fill brought back all the stages dropped
             d.noted, d.note, d.snapshot, d.recalled = False, None, None, []
         if d.mode == "on" and (d.plan.dropped or recalled) and (
@@ -417,8 +433,10 @@ def _without_bad_metadata(items: list[Any]) -> list[Any]:
     return out
 
 
-def _compactable(d: Decision, rules: Rules) -> dict[int, list[ToolResult]]:
-    """The tool results compact_tools may shorten, per item."""
+def _compactable(d: Decision, rules: Rules
+                 ) -> tuple[dict[int, list[ToolResult]], dict[int, list[ToolResult]]]:
+    """The tool results compact_tools may shorten, per item; and those only keep_recent
+    holds whole (the model has answered them), which may be if whole they cannot fit."""
     conv = d.conv
     assert conv is not None
     crules = rules.memory.eviction.compact
@@ -430,7 +448,12 @@ def _compactable(d: Decision, rules: Rules) -> dict[int, list[ToolResult]]:
     todo: dict[int, list[ToolResult]] = {}
     for r in eligible(results, crules, pins, unread):
         todo.setdefault(r.index, []).append(r)
-    return todo
+    spare: dict[int, list[ToolResult]] = {}
+    if crules.keep_recent:
+        for r in eligible(results[-crules.keep_recent:], replace(crules, keep_recent=0),
+                          pins, unread):
+            spare.setdefault(r.index, []).append(r)
+    return todo, spare
 
 
 def _compact(d: Decision, rules: Rules, todo: dict[int, list[ToolResult]],

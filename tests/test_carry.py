@@ -545,3 +545,30 @@ def test_a_question_answered_again_carries_the_new_answer_only() -> None:
     snap = build_snapshot([Message(*m) for m in short], patterns, carry)
     assert snap.get("confirmed_constraints") == [
         "格式用 CSV，可以吗？ → 可以", "结果要压缩，可以吗？ → 不要"]
+
+
+def test_est_sent_tokens_counts_the_carry_note() -> None:
+    """The tokens a decision says it forwards are those of the body it forwards, carry
+    note included (they were ~150 short of the same body measured again)."""
+    from dataclasses import replace
+
+    from gateway.chat import decide
+    from gateway.tokens import Tokenizers
+
+    tok = Tokenizers(10_000)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You plan trips."}]
+    for k in range(30):
+        msgs += [{"role": "user", "content": f"Day {k}: we fly to Lisbon, budget 900 EUR. "
+                                              "Confirmed: no night trains. " * 6},
+                 {"role": "assistant", "content": f"Noted for day {k}. " * 30}]
+    msgs.append({"role": "user", "content": "What is left to book?"})
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
+    on = replace(RULES, memory=replace(RULES.memory, enable_eviction=True))
+    d = decide(raw, orjson.loads(raw), on, tok,
+               recalled=["[2026-11-30] the hotel is booked under the name Ruiz"])
+    assert d.plan is not None and d.plan.dropped and d.note is not None
+    sent = orjson.loads(d.forward)
+    assert any(d.note in str(m.get("content")) for m in sent["messages"])
+    measured = decide(d.forward, sent, replace(on, memory=replace(
+        on.memory, enable_eviction=False)), tok).est_tokens()
+    assert d.kept_tokens() == measured

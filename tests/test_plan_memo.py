@@ -197,12 +197,15 @@ def test_warm_path_takes_the_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fast[1][2] == fast[2][2] == 1 and fast[3][2] == 8 + 1
 
 
+@pytest.mark.parametrize("budget", [200, 4500])
 @pytest.mark.parametrize("name", ["chat", "anthropic"])
-def test_compaction_kept_along_a_session_is_what_a_cold_request_gets(name: str) -> None:
+def test_compaction_kept_along_a_session_is_what_a_cold_request_gets(
+        name: str, budget: int) -> None:
     """The compacted items and groups a session keeps from request to request (toolscan):
     when more of an item's or a group's results become eligible (keep_recent: the newest
-    result stays whole until the next one comes), they are compacted anew; every request
-    decides what the same request with nothing cached decides."""
+    result stays whole until the next one comes, at 4,500 tokens; at 200 it cannot fit
+    whole and is compacted at once), they are compacted anew; every request decides what
+    the same request with nothing cached decides."""
     wire, to_body = WIRES[name]
     long = "row {k}: status ok, size 512, owner ops; " * 250  # bodies over 16 KiB: spliced
     msgs: list[dict[str, Any]] = [
@@ -222,7 +225,7 @@ def test_compaction_kept_along_a_session_is_what_a_cold_request_gets(name: str) 
                  {"role": "tool", "tool_call_id": f"c{t}", "content": long.format(k=t)},
                  {"role": "assistant", "content": f"done {t}"}]
     memory = {"enable_eviction": True,
-              "budget": {"max_tokens": 200, "max_chars": None, "max_messages": None},
+              "budget": {"max_tokens": budget, "max_chars": None, "max_messages": None},
               "eviction": {"order": ["pinned", "recent_turns", "compact_tools", "length"],
                            "compact": {"min_chars": 50, "target_chars": 200, "max_line": 40,
                                        "keep_recent": 1}}}
@@ -253,4 +256,5 @@ def test_compaction_kept_along_a_session_is_what_a_cold_request_gets(name: str) 
         grew = grew or (src is not None  # the resent items the same objects as before
                         and any(k in now and was < now[k] for k, was in before.items()))
         before = now
-    assert grew  # a group (chat) or an item (anthropic) had more of its results compacted
+    assert grew or budget < 1000  # a group (chat) or an item (anthropic) had more of its
+    # results compacted

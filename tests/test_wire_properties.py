@@ -104,6 +104,60 @@ def test_responses_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]
     assert first.get("role") == "user"
 
 
+def retyped(items: list[dict[str, Any]], kinds: list[str]) -> list[dict[str, Any]]:
+    """Responses items with the k-th function call (and its output) made a call of the
+    k-th kind (cycling) in that tool's documented shape; a kind ending in `_call` that
+    the gateway does not list stands for a tool newer than it."""
+    kind_of: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    for it in items:
+        t = it.get("type")
+        if t == "function_call":
+            kind = kind_of.setdefault(it["call_id"], kinds[len(kind_of) % len(kinds)])
+            if kind == "shell_call":
+                it = {"type": kind, "call_id": it["call_id"], "status": "completed",
+                      "action": {"commands": ["ls -la", it["arguments"]], "timeout_ms": 1000}}
+            elif kind == "apply_patch_call":
+                it = {"type": kind, "call_id": it["call_id"], "status": "completed",
+                      "operation": {"type": "update_file", "path": "a.py",
+                                    "diff": "@@\n-x\n+" + it["arguments"]}}
+            elif kind != "function_call":
+                it = {"type": kind, "call_id": it["call_id"], "arguments": it["arguments"]}
+        elif t == "function_call_output":
+            kind = kind_of[it["call_id"]]
+            if kind == "shell_call":
+                it = {"type": "shell_call_output", "call_id": it["call_id"], "output": [
+                    {"stdout": it["output"], "stderr": "",
+                     "outcome": {"type": "exit", "exit_code": 0}}]}
+            elif kind != "function_call":
+                it = {"type": kind + "_output", "call_id": it["call_id"],
+                      "output": it["output"], "status": "completed"}
+        out.append(it)
+    return out
+
+
+@given(msgs=conversation(), memory=memory_rules(),
+       kinds=st.lists(st.sampled_from(["function_call", "shell_call", "apply_patch_call",
+                                       "custom_tool_call", "browser_use_call"]),
+                      min_size=1, max_size=3))
+@settings()
+def test_responses_every_call_kind_stays_with_its_output(
+    msgs: list[dict[str, Any]], memory: dict[str, Any], kinds: list[str]
+) -> None:
+    """Calls of every client-run tool (shell, apply_patch, a kind newer than the gateway)
+    and their outputs, parallel calls among them, are forwarded in pairs: a call or an
+    output alone is a 400 from the API."""
+    items = retyped(to_responses(msgs)["input"], kinds)
+    raw = orjson.dumps({"model": "gpt-5.1", "input": items})
+    d = decide(raw, orjson.loads(raw), make_rules(memory), TOK, OPENAI_RESPONSES)
+    assert d.plan is not None, d.skip_reason
+    out = orjson.loads(d.forward)["input"]
+    assert out == [strip(items[i]) for i in d.forwarded()]
+    calls = {it["call_id"] for it in out if str(it.get("type")).endswith("_call")}
+    assert calls == {it["call_id"] for it in out
+                     if str(it.get("type")).endswith("_call_output")}
+
+
 def reasoned_responses(msgs: list[dict[str, Any]], layouts: list[tuple[bool, bool]]
                        ) -> tuple[list[dict[str, Any]], list[int | None]]:
     """`msgs` as Responses items from a reasoning model, each tool-calling reply one

@@ -166,6 +166,13 @@ def content_pieces(content: Any) -> Iterator[Piece]:
         yield from media.opaque(content)
 
 
+def called(call: Any) -> dict[str, Any] | None:
+    """What a tool call calls: `function` {name, arguments}, or (a custom tool's
+    freeform call) `custom` {name, input}."""
+    fn = call.get("function", call.get("custom")) if isinstance(call, dict) else None
+    return fn if isinstance(fn, dict) else None
+
+
 def message_pieces(m: dict[str, Any]) -> Iterator[Piece]:
     """OpenAI's per-message accounting: 3 + role + content (+ name + 1) + tool calls."""
     yield PER_MESSAGE + 1
@@ -174,14 +181,17 @@ def message_pieces(m: dict[str, Any]) -> Iterator[Piece]:
     if isinstance(name, str):
         yield name
         yield PER_NAME
+    refusal = m.get("refusal")
+    if isinstance(refusal, str):  # an assistant's refusal, beside a null content
+        yield refusal
     calls = m.get("tool_calls")
     if isinstance(calls, list):
         for call in calls:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict):
+            fn = called(call)
+            if fn is not None:
                 yield PER_MESSAGE
                 yield str(fn.get("name", ""))
-                yield str(fn.get("arguments", ""))
+                yield str(fn.get("arguments", fn.get("input", "")))
     fc = m.get("function_call")
     if isinstance(fc, dict):
         yield str(fc.get("name", ""))
@@ -218,8 +228,8 @@ class OpenAIChat(Wire):
             if not isinstance(m, dict):
                 continue
             for call in m.get("tool_calls") or () if m.get("role") == "assistant" else ():
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+                fn = called(call)
+                if fn is not None and isinstance(fn.get("name"), str):
                     names[call.get("id")] = fn["name"]
             if m.get("role") == "tool" and isinstance(m.get("content"), str):
                 out.append(ToolResult(i, ("content",), m["content"],

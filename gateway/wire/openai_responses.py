@@ -44,11 +44,28 @@ from ..tokens import PER_MESSAGE, REPLY_PRIMING, TokenCounter
 from .base import Wire, json_text, text_of
 from .openai_chat import content_pieces, part_pieces
 
-CALLS = frozenset(("function_call", "custom_tool_call", "computer_call", "local_shell_call"))
-OUTPUTS = frozenset(
-    ("function_call_output", "custom_tool_call_output", "computer_call_output",
-     "local_shell_call_output")
-)
+# client-run tools: a call (with its `call_id`) the client answers with an output item;
+# a type this list does not know yet is one too when it is spelled so (`*_call` with a
+# `call_id`, `*_call_output`): server-run tools' items (web_search_call, ...) have no
+# call_id, and a call split from its output is a 400
+CALLS = frozenset(("function_call", "custom_tool_call", "computer_call", "local_shell_call",
+                   "shell_call", "apply_patch_call"))
+OUTPUTS = frozenset(t + "_output" for t in CALLS)
+
+
+def is_call(it: dict[str, Any], t: str | None) -> bool:
+    return t in CALLS or (t is not None and t.endswith("_call") and "call_id" in it)
+
+
+def is_output(t: str | None) -> bool:
+    return t in OUTPUTS or (t is not None and t.endswith("_call_output"))
+
+
+def tool_name(it: dict[str, Any], t: str) -> str:
+    """The tool a call is of: its `name`, or the built-in tool its type names
+    (`shell_call`: shell, `apply_patch_call`: apply_patch)."""
+    name = it.get("name")
+    return name if isinstance(name, str) else t.removesuffix("_call")
 # a tuple, not a set: a role that is an object (unhashable) is simply none of them
 FIXED_ROLES = ("system", "developer")
 REFERENCE = "item_reference"
@@ -66,9 +83,9 @@ def _text_of(it: dict[str, Any]) -> Any:
     t = item_type(it)
     if t == "message":
         return it.get("content")
-    if t in CALLS:
+    if is_call(it, t):
         return it.get("arguments", it.get("input"))
-    if t in OUTPUTS:
+    if is_output(t):
         return it.get("output")
     return None
 
@@ -133,19 +150,19 @@ def parse(items: list[Any], prefix: str, min_score: float,
             else:
                 raise Unplannable("unknown_role")
             lead_in = False
-        elif t in CALLS:
+        elif is_call(it, t):
             cid = it.get("call_id")
             if not isinstance(cid, str):
                 raise Unplannable("tool_call_without_id")
             prev = items[i - 1] if i else None
-            joins = lead_in or (isinstance(prev, dict) and item_type(prev) in CALLS)
+            joins = lead_in or (isinstance(prev, dict) and is_call(prev, item_type(prev)))
             if (with_reasoning() or joins) and groups:
                 groups[-1].indices.append(i)
             else:
                 groups.append(Group([i], turn, False))
             open_calls[cid] = len(groups) - 1
             lead_in = False
-        elif t in OUTPUTS:
+        elif is_output(t):
             cid = it.get("call_id")
             g = open_calls.get(cid) if isinstance(cid, str) else None
             if g is None:
@@ -210,7 +227,7 @@ def item_pieces(it: dict[str, Any]) -> Iterator[Piece]:
         yield from content_pieces(it.get("content"))
     elif t in ("function_call", "custom_tool_call"):
         yield from str_fields(it, "name", "arguments", "input")
-    elif t in OUTPUTS:  # function, custom tool, computer (a screenshot), local shell
+    elif is_output(t):  # function, custom tool, computer (a screenshot), shell, patch
         yield from _output_pieces(it.get("output"))
         for check in _dicts(it.get("acknowledged_safety_checks")):
             yield from str_fields(check, "code", "message")
@@ -291,7 +308,7 @@ class OpenAIResponses(Wire):
         if t == "message":
             role = item.get("role")
             return role if role in ("user", "assistant") else "system"
-        return "tool" if t in OUTPUTS else "assistant"
+        return "tool" if is_output(t) else "assistant"
 
     def item_text(self, item: Any) -> str:
         content = _text_of(item) if isinstance(item, dict) else None
@@ -313,9 +330,9 @@ class OpenAIResponses(Wire):
             if not isinstance(it, dict):
                 continue
             t = item_type(it)
-            if t in CALLS and isinstance(it.get("name"), str):
-                names[it.get("call_id")] = it["name"]
-            elif t in OUTPUTS and isinstance(it.get("output"), str):
+            if t is not None and is_call(it, t):
+                names[it.get("call_id")] = tool_name(it, t)
+            elif is_output(t) and isinstance(it.get("output"), str):
                 out.append(ToolResult(i, ("output",), it["output"], names.get(it.get("call_id"))))
         return out
 
