@@ -11,6 +11,7 @@ import asyncio
 import os
 import re
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from multidict import CIMultiDict
 
 from .errors import BadRequest, GatewayError, UpstreamTimeout, UpstreamUnreachable
 from .rules import Upstream
-from .usage import reader_for
+from .usage import Inflate, TooBig, Unreadable, reader_for
 
 HOP_BY_HOP = frozenset(
     (
@@ -127,20 +128,32 @@ class StreamEnd:
     costs the chunk's last event, not the chunk (Responses' response.completed carries
     the whole response, so its event line can lie far from the end of the stream). The
     few bytes before a chunk boundary are kept, so a line split across two chunks is
-    still seen; nothing else of the stream is held. All `ends` are lines of one field."""
+    still seen; nothing else of the stream is held. All `ends` are lines of one field.
+    A compressed stream (`encoding`: its Content-Encoding) is judged by what it
+    inflates to, piece by bounded piece; one in an encoding not read is never ended."""
 
-    __slots__ = ("_ends", "_field", "_keep", "_tail")
+    __slots__ = ("_ends", "_field", "_inflate", "_keep", "_tail")
 
-    def __init__(self, ends: tuple[bytes, ...]) -> None:
+    def __init__(self, ends: tuple[bytes, ...], encoding: str | None = None) -> None:
         self._ends = tuple(b"\n" + e for e in ends)
         first = self._ends[0]
         self._field = first[: first.index(b": ") + 2]  # b"\ndata: ", b"\nevent: "
         self._keep = max(map(len, self._ends)) - 1
         self._tail = b"\n"  # the stream's first line starts a line too
+        self._inflate = Inflate.for_encoding(encoding)
 
     def seen(self, chunk: bytes) -> bool:
         """Is the last line of the field in `chunk` (or one across the boundary before
         it) a terminal event line?"""
+        if self._inflate is None:
+            return self._seen(chunk)
+        try:  # the terminal event is the stream's last: what follows it is not needed
+            return any(self._seen(piece) for piece in self._inflate.feed(chunk))
+        except (TooBig, zlib.error):
+            self._inflate = Unreadable(0)  # a corrupt stream: never ended from now on
+            return False
+
+    def _seen(self, chunk: bytes) -> bool:
         keep, field, ends = self._keep, self._field, self._ends
         edge = self._tail + chunk[:keep]
         self._tail = edge[-keep:] if len(chunk) < keep else chunk[-keep:]
@@ -321,8 +334,8 @@ async def relay(
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             info.client_left()
             return resp
-        end = (StreamEnd(stream_ends) if stream_ends
-               and up_resp.content_type == "text/event-stream" else None)
+        end = (StreamEnd(stream_ends, up_resp.headers.get("Content-Encoding"))
+               if stream_ends and up_resp.content_type == "text/event-stream" else None)
         usage = reader_for(usage_wire, up_resp.status, up_resp.headers) if usage_wire else None
         try:
             async for chunk in up_resp.content.iter_any():

@@ -277,7 +277,7 @@ class UsageReader:
         self._wire = wire
         self._sse = sse
         self._got: Counts = {}
-        self._inflate = _Inflate.for_encoding(encoding)
+        self._inflate = Inflate.for_encoding(encoding)
         self._broken = False  # a compressed answer that could not be read: no usage
         self._line = _Bounded(LINE_BYTES)
         self._doc = _Bounded(BODY_BYTES)
@@ -404,11 +404,11 @@ class UsageReader:
         return normalise(self._found(last_usage_object(doc.tail)))
 
 
-class _TooBig(Exception):
+class TooBig(Exception):
     """A compressed answer inflates past INFLATE_BYTES: not read for usage."""
 
 
-class _Inflate:
+class Inflate:
     """Content-Encoding gzip / deflate undone for reading, in bounded pieces."""
 
     def __init__(self, wbits: int) -> None:
@@ -417,7 +417,7 @@ class _Inflate:
         self._out = 0
 
     @classmethod
-    def for_encoding(cls, header: str | None) -> _Inflate | None:
+    def for_encoding(cls, header: str | None) -> Inflate | None:
         if not header:
             return None
         codings = [c.strip().lower() for c in header.split(",") if c.strip()]
@@ -425,7 +425,7 @@ class _Inflate:
         if not codings:
             return None
         if len(codings) != 1 or codings[0] not in _CODINGS:
-            return _Unreadable(0)
+            return Unreadable(0)
         return cls(_CODINGS[codings[0]])
 
     def feed(self, chunk: bytes) -> Iterator[bytes]:
@@ -442,7 +442,7 @@ class _Inflate:
             part = self._d.decompress(chunk, INFLATE_PIECE)
             self._out += len(part)
             if self._out > INFLATE_BYTES:
-                raise _TooBig
+                raise TooBig
             if part:
                 yield part
             if self._d.eof:  # a gzip answer may hold several members
@@ -454,11 +454,11 @@ class _Inflate:
                 return
 
 
-class _Unreadable(_Inflate):
+class Unreadable(Inflate):
     """An encoding not read (br, zstd, stacked codings): the answer has no usage."""
 
     def feed(self, chunk: bytes) -> Iterator[bytes]:
-        raise _TooBig
+        raise TooBig
 
 
 def reader_for(wire: str, status: int, headers: Mapping[str, str]) -> UsageReader | None:

@@ -5,9 +5,11 @@ the client, not by whether the client hung up after it."""
 from __future__ import annotations
 
 import asyncio
+import zlib
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import orjson
 import pytest
@@ -188,20 +190,66 @@ async def test_terminal_text_inside_a_delta_is_not_the_end(
     assert ev["stream"] == "client_gone", ev
 
 
-@given(wire=st.sampled_from(sorted(WIRES)), data=st.data())
-def test_stream_end_seen_at_any_chunking(wire: str, data: st.DataObject) -> None:
-    """However the upstream's bytes are cut into chunks, the terminal event is seen in
-    the chunk that completes its line, never before."""
+@given(wire=st.sampled_from(sorted(WIRES)), coding=st.sampled_from(["", "gzip", "deflate"]),
+       data=st.data())
+def test_stream_end_seen_at_any_chunking(wire: str, coding: str, data: st.DataObject) -> None:
+    """However the upstream's bytes are cut into chunks, and whether they come
+    compressed or not, the terminal event is seen in the chunk that completes its line
+    (of a compressed stream: the chunk whose bytes inflate to it), never before."""
     events = WIRES[wire][1]
     stream = b"".join(events)
+    if coding:  # each event flushed, as a compressing server streams
+        z = zlib.compressobj(wbits=31 if coding == "gzip" else 15)
+        stream = b"".join(z.compress(e) + z.flush(zlib.Z_SYNC_FLUSH) for e in events)
+        stream += z.flush()
     cuts = sorted(data.draw(st.sets(st.integers(1, len(stream) - 1), max_size=40)))
     chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
     ends = API["messages" if wire == "anthropic" else
                "chat" if wire == "chat" else "responses"].stream_ends
-    end, ended = StreamEnd(ends), False
+    end, ended = StreamEnd(ends, coding or None), False
+    plain = zlib.decompressobj(wbits=47) if coding else None  # 47: gzip or zlib header
     so_far = b"\n"
     for chunk in chunks:  # the relay stops looking once it has seen the end
-        so_far += chunk
+        so_far += plain.decompress(chunk) if plain else chunk
         ended = ended or end.seen(chunk)
         assert ended == any(b"\n" + e in so_far for e in ends)
     assert ended
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+async def test_compressed_stream_lingering_after_its_end_is_complete(
+    gateway: GatewayFactory, aiohttp_server: Any, coding: str
+) -> None:
+    """An upstream that compresses its event stream and keeps the connection open past
+    read_timeout_s after message_stop: the terminal event is found in the inflated
+    bytes, so the client's stream ends cleanly (the Anthropic SDK reads it whole) and
+    the line says complete, as for an uncompressed stream."""
+    events = anthropic_events("Hello there")
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Content-Encoding": coding})
+        await resp.prepare(request)
+        z = zlib.compressobj(wbits=31 if coding == "gzip" else 15)
+        for e in events:  # each event flushed as its own compressed chunk
+            await resp.write(z.compress(e) + z.flush(zlib.Z_SYNC_FLUSH))
+        await asyncio.sleep(3 * HOLD_S)  # longer than the gateway's read timeout
+        await resp.write(z.flush())
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", stream)
+    url = str((await aiohttp_server(app)).make_url("")).rstrip("/")
+    gw = await gateway(upstreams=[{"name": "slow", "base_url": url, "read_timeout_s": HOLD_S,
+                                   "paths": ["/v1/messages"]}], upstream_url=url)
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-ant-x",
+                                        max_retries=0) as client:
+        async with client.messages.stream(
+                model="claude-3-5-haiku-20241022", max_tokens=50,
+                messages=[{"role": "user", "content": "hi"}]) as s:
+            text = "".join([t async for t in s.text_stream])
+    assert text == "Hello there "
+    ev = (await gw.wait_mem(1, timeout_s=HOLD_S + 10))[-1]
+    assert ev["status"] == "200" and "stream" not in ev, ev

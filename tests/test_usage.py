@@ -28,8 +28,8 @@ from gateway.usage import (
     BODY_BYTES,
     INFLATE_PIECE,
     LINE_BYTES,
+    Inflate,
     UsageReader,
-    _Inflate,
     reader_for,
 )
 
@@ -340,7 +340,7 @@ def test_inflated_pieces_are_bounded_and_lose_nothing() -> None:
             ("gzip", gzip.compress(text[:1000]) + gzip.compress(text[1000:]), text),
             ("deflate", zlib.compress(text), text),
             ("deflate", raw_deflate.compress(text) + raw_deflate.flush(), text)):
-        inflate = _Inflate.for_encoding(coding)
+        inflate = Inflate.for_encoding(coding)
         assert inflate is not None
         pieces = [p for i in range(0, len(packed), 777) for p in inflate.feed(packed[i:i + 777])]
         assert max(map(len, pieces)) <= INFLATE_PIECE and b"".join(pieces) == want, coding
