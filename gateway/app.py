@@ -14,7 +14,7 @@ from . import listeners
 from . import logging as mglog
 from .backends import Backend
 from .errors import RulesError
-from .gwstate import STATE, GatewayState
+from .gwstate import STATE, GatewayState, RefusedSessions
 from .history import HistoryCache
 from .memory_api import MemoryService
 from .memory_api import routes as memory_routes
@@ -105,6 +105,7 @@ def create_app(
             _preload_tokenizers(state, new)
         state.capture.config_changed(new.capture)
         state.history.resize(new.history_cache_mb << 20, new.max_tracked_sessions)
+        state.refused.max_entries = new.max_tracked_sessions
         if (old.upstreams, old.tenants) != (new.upstreams, new.tenants):
             _warn_injection(state, new)
         _switch_tracing(state, new, env or {})
@@ -120,6 +121,7 @@ def create_app(
         store_health=Backend("store", lambda: state.log),
         archive_health=Backend("archive", lambda: state.log),
         history=HistoryCache(rules.history_cache_mb << 20, rules.max_tracked_sessions),
+        refused=RefusedSessions(rules.max_tracked_sessions),
         log=log,
     )
     state.memory = MemoryService(env or {}, log)

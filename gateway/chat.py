@@ -132,6 +132,12 @@ class Decision:
         stable, moved, current = self.placement()
         return forward_order(stable, moved, current) if moved and current is not None else stable
 
+    def unchanged(self, reason: str) -> Decision:
+        """This request as the client sent it: measured, not planned (`reason`: why)."""
+        return replace(self, forward=self.raw, plan=None, skip_reason=reason, note=None,
+                       snapshot=None, recalled=[], compacted={}, compact_tokens={},
+                       archived={}, cache_marker_dropped=False, cache_marker_moved=False)
+
     def kept_tokens(self) -> int:
         """Estimated tokens of the request with only the plan's kept messages (and the
         carry note, when one is forwarded)."""

@@ -62,6 +62,7 @@ def _memory(m: Memory, carry_path: str | None) -> dict[str, Any]:
         "enable_eviction": m.enable_eviction,
         "shadow": m.shadow,
         "fallback_original": m.fallback_original,
+        "fallback_backoff_s": m.fallback_backoff_s,
         "budget": _fields(m.budget, "max_tokens", "max_chars", "max_messages", "max_turns",
                           "safety_ratio", "reserve_output_tokens"),
         "eviction": {

@@ -7,6 +7,8 @@ routes, a cycle)."""
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +29,37 @@ from .upstream import UpstreamPool
 
 if TYPE_CHECKING:
     from .console import Console
+
+
+class RefusedSessions:
+    """Sessions whose changed body an upstream refused lately: their requests go as the
+    client sent them until the backoff has passed (then eviction is tried again), so a
+    session pays the refused round trip once per backoff, not on every request. Per
+    process, at most `max_entries` (the least recently refused go first)."""
+
+    def __init__(self, max_entries: int = 10_000) -> None:
+        self.max_entries = max_entries
+        self._until: OrderedDict[tuple[str, str], float] = OrderedDict()
+
+    def mark(self, key: tuple[str, str], backoff_s: float) -> None:
+        if backoff_s <= 0:
+            return
+        self._until[key] = time.monotonic() + backoff_s
+        self._until.move_to_end(key)
+        while len(self._until) > self.max_entries:
+            self._until.popitem(last=False)
+
+    def holds(self, key: tuple[str, str]) -> bool:
+        until = self._until.get(key)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._until[key]
+        return False
+
+    def __len__(self) -> int:
+        return len(self._until)
 
 
 @dataclass
@@ -50,6 +83,7 @@ class GatewayState:
     counting: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         1, thread_name_prefix="memgate-count"))
     pool: UpstreamPool = field(default_factory=UpstreamPool)
+    refused: RefusedSessions = field(default_factory=RefusedSessions)
     log: Any = None
     # called with (the [mem] fields, the decision or None, what happened on the wire) after
     # each [mem] line: the console and tracing read requests here, the request path never

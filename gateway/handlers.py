@@ -457,6 +457,9 @@ def _decide(
                key=None if tenant is None else (tenant, session),
                default_model=request.match_info.get("deployment"),
                archive_in=_archive_in(state, rules, tenant), spliced=src)
+    if (tenant is not None and rules.memory.fallback_original
+            and state.refused.holds((tenant, session)) and d.forward != d.raw):
+        d = d.unchanged("upstream_refused")  # refused lately: not tried again yet
     return d, session
 
 
@@ -481,6 +484,9 @@ async def _account(
                 session = _session(request, state.rules.session_header, None, None, tenant)
             measured = await _measure(state, request, tenant, session, wire, d, rid,
                                       recall_failed)
+        if info.first_status and d is not None:
+            d = d.unchanged("upstream_refused")  # what went is the client's body
+            measured = await _resent(state, tenant, session, d, measured)
         _log_mem(state, wire, d, info, overhead_ms, rid, measured)
     except Exception as exc:  # noqa: BLE001 - accounting must never fail a request
         state.log.error("mem_log_failed", error=type(exc).__name__, detail=str(exc)[:200],
@@ -662,23 +668,52 @@ async def _measure_session(
         fields.update(cut=status, prefix_tokens=sum(d.message_tokens(i) for i in kept[:same]))
     elif on:
         fields["cut"] = "unknown"
-    n = len(msgs)
     if tenant is None:
         return fields
     try:
-        await state.sessions.put_record(
-            tenant, session,
-            SessionRecord(
-                kept=_stable(kept, d), n_messages=n, last=fingerprint(msgs[-1]), cut=cut,
-                msg_tokens=msg_tokens, before_last=fingerprint(msgs[-2]) if n > 1 else b"",
-                msg_tokens_before_last=msg_tokens - d.message_tokens(n - 1),
-            ),
-        )
+        await state.sessions.put_record(tenant, session, _record(d, kept, cut, msg_tokens))
     except BackendDown:
         state_ok = False
     if not state_ok:
         fields["state"] = "unavailable"
     return fields
+
+
+def _record(d: Decision, kept: tuple[int, ...], cut: bool, msg_tokens: int) -> SessionRecord:
+    """What the session's next request is compared with: this one as forwarded."""
+    msgs = d.messages
+    n = len(msgs)
+    return SessionRecord(
+        kept=_stable(kept, d), n_messages=n, last=fingerprint(msgs[-1]), cut=cut,
+        msg_tokens=msg_tokens, before_last=fingerprint(msgs[-2]) if n > 1 else b"",
+        msg_tokens_before_last=msg_tokens - d.message_tokens(n - 1),
+    )
+
+
+async def _resent(
+    state: GatewayState, tenant: str | None, session: str, d: Decision,
+    measured: tuple[dict[str, Any], dict[str, Any]],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The upstream refused the changed body and got the client's (`d`, unchanged now):
+    the line, the metrics and the session record say what went, and the session's next
+    requests go unchanged for memory.fallback_backoff_s. The cut= comparison is left
+    out: it was made with the refused body."""
+    head, tail = measured
+    was = head
+    head = {"session": was["session"],
+            **mem_fields(d, state.rules.log_level == "debug", est_tokens=was["est_tokens"])}
+    if "state" in was:
+        head["state"] = was["state"]
+    if tenant is None or not d.messages:
+        return head, tail
+    state.refused.mark((tenant, session), state.rules.memory.fallback_backoff_s)
+    n = len(d.messages)
+    try:
+        await state.sessions.put_record(tenant, session, _record(
+            d, tuple(range(n)), False, was["est_tokens"] - d.overhead_tokens()))
+    except BackendDown:
+        head["state"] = "unavailable"
+    return head, tail
 
 
 def _stable(forwarded: tuple[int, ...], d: Decision) -> tuple[int, ...]:

@@ -82,6 +82,9 @@ class Memory:
     # a body the gateway changed (evicted, note added, metadata cut) that the upstream
     # refuses as invalid is resent as the client sent it
     fallback_original: bool = True
+    # after such a refusal the session's requests go unchanged this long (0: every
+    # request is tried changed again)
+    fallback_backoff_s: float = 600.0
 
     @property
     def mode(self) -> Literal["off", "shadow", "on"]:
@@ -296,7 +299,7 @@ SECTIONS: dict[str, frozenset[str]] = {
                    "capture", "store", "state", "tenants", "tracing",
                    "console"}),
     "memory": frozenset({"enable_eviction", "shadow", "budget", "eviction", "markers", "carry",
-                         "write", "fallback_original"}),
+                         "write", "fallback_original", "fallback_backoff_s"}),
     "memory.budget": frozenset({"max_tokens", "max_chars", "max_messages", "max_turns",
                                 "safety_ratio", "reserve_output_tokens"}),
     "memory.eviction": frozenset({"order", "keep_pinned", "max_pinned", "drop_unit",
@@ -628,6 +631,7 @@ def _parse_memory(r: _Reader, data: Any, base_dir: Path) -> tuple[Memory, str | 
         carry=carry,
         carry_patterns=patterns,
         fallback_original=r.get(m, "memory", "fallback_original", _bool, True),
+        fallback_backoff_s=r.get(m, "memory", "fallback_backoff_s", _float(0, 86400), 600.0),
     ), carry_path
 
 

@@ -102,8 +102,39 @@ async def test_refused_evicted_body_is_resent_as_the_client_sent_it(
     assert picky.seen[1] == raw  # then the client's bytes, byte for byte
     ev = (await gw.wait_mem(1))[-1]
     assert ev["fallback"] == "original" and ev["first_status"] == "400"
-    assert ev["status"] == "200" and ev["evict"] != "none"
+    # the line says what went: the whole history, nothing dropped
+    assert ev["status"] == "200" and ev["evict"] == "skipped"
+    assert ev["reason"] == "upstream_refused" and (ev["kept"], ev["dropped"]) == (
+        str(FULL), "0")
+    assert "est_sent_tokens" not in ev and "cut" not in ev
     assert await metric(gw, 'memgate_fallback_total{route="openai_chat",status="400"}') == "1.0"
+    before = await metric(gw, 'memgate_history_tokens_before_sum{route="openai_chat"}')
+    assert before is not None
+    assert await metric(gw, 'memgate_history_tokens_after_sum{route="openai_chat"}') == before
+
+
+async def test_a_refused_session_goes_unchanged_until_the_backoff_ends(
+    gateway: GatewayFactory, picky: Picky
+) -> None:
+    """After a refusal the session's next requests go as the client sent them, one
+    upstream call each (no refused round trip first); once memory.fallback_backoff_s has
+    passed eviction is tried again. Another session is not held back."""
+    gw = await gateway(memory={**EVICTING, "fallback_backoff_s": 0.5}, upstream_url=picky.url)
+    raw = history()
+    for _ in range(2):
+        assert (await post(gw, raw))[0] == 200
+    assert [len(orjson.loads(b)["messages"]) for b in picky.seen] == [4, FULL, FULL]
+    assert picky.seen[2] == raw
+    ev = (await gw.wait_mem(2))[-1]
+    assert "fallback" not in ev and ev["reason"] == "upstream_refused", ev
+    other = raw.replace(b"question 0 ", b"question zero ")  # another session's history
+    assert (await post(gw, other))[0] == 200
+    assert len(picky.seen) == 5  # refused, then resent
+    await asyncio.sleep(0.6)
+    assert (await post(gw, raw))[0] == 200
+    assert [len(orjson.loads(b)["messages"]) for b in picky.seen[5:]] == [4, FULL]
+    evs = await gw.wait_mem(4)
+    assert [e.get("fallback") for e in evs] == ["original", None, "original", "original"]
 
 
 async def test_openai_sdk_gets_answers_to_its_original_stream_and_not(
@@ -124,11 +155,13 @@ async def test_openai_sdk_gets_answers_to_its_original_stream_and_not(
             relayed += part
     assert relayed == b"".join(sse_chunks(["Hel", "lo"]))
     assert b"REFUSED" not in relayed
+    # the second request of the session goes unchanged: refused lately
     assert [len(orjson.loads(b)["messages"]) == FULL for b in picky.seen] == [
-        False, True, False, True]
+        False, True, True]
     evs = await gw.wait_mem(2)
-    assert [(e["fallback"], e["first_status"], e["status"]) for e in evs] == [
-        ("original", "400", "200")] * 2
+    assert [(e.get("fallback"), e.get("first_status"), e["status"], e["reason"])
+            for e in evs] == [("original", "400", "200", "upstream_refused"),
+                              (None, None, "200", "upstream_refused")]
 
 
 async def test_feature_off_relays_the_refusal(gateway: GatewayFactory, picky: Picky) -> None:
