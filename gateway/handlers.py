@@ -55,8 +55,13 @@ OFFLOAD_CHARS = 65_536
 MEASURE_AFTER_S = 0.002
 
 
-def flavor_for(path: str) -> ApiFlavor:
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
+def flavor_for(request: web.BaseRequest) -> ApiFlavor:
+    """The error shape the caller's SDK reads: Anthropic's on its Messages routes and for
+    any request carrying `anthropic-version` (which every Anthropic SDK call sends, its
+    models.list too), else OpenAI's."""
+    if request.path.startswith("/v1/messages") or "anthropic-version" in request.headers:
+        return "anthropic"
+    return "openai"
 
 
 
@@ -72,7 +77,7 @@ async def contained_paths(request: web.Request, handler: Handler) -> web.StreamR
     request never leaves its upstream's base path nor slips past a route's glob."""
     if has_dot_segment(request.path):
         return error_response(BadPath("request path has '.' or '..' segments; the gateway "
-                                      "does not resolve them"), flavor_for(request.path))
+                                      "does not resolve them"), flavor_for(request))
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -84,7 +89,7 @@ async def contained_paths(request: web.Request, handler: Handler) -> web.StreamR
         err = GatewayError(f"the gateway does not serve {request.method} {target}"
                            " (it is not a forward proxy: point base_url at it)")
         err.status, err.code = exc.status, "not_routed"
-        return error_response(err, flavor_for(request.path))
+        return error_response(err, flavor_for(request))
 
 
 def _too_large(limit: int, declared: int | None = None) -> PayloadTooLarge:
@@ -755,7 +760,7 @@ async def _relay_as_is(request: web.Request, state: GatewayState, info: Relayed,
     a file upload is the provider's to bound, OpenAI's up to 512 MB); a chunked one is
     read (up to limits.max_body_bytes) first."""
     rules = state.rules
-    flavor = flavor_for(request.path)
+    flavor = flavor_for(request)
     up = rules.upstream_for(request.path, None, "anthropic-version" in request.headers)
     try:
         _admit(rules, up, request)

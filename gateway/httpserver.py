@@ -79,7 +79,7 @@ class _SafeErrors(RequestHandler):
         if request.writer.output_size > 0:  # as aiohttp: too late for another response
             raise ConnectionError("response already started, cannot send the error")
         # a request the parser refused is aiohttp's placeholder (path "/"): its API unknown
-        flavor = "any" if isinstance(exc, HttpProcessingError) else flavor_for(request.path)
+        flavor = "any" if isinstance(exc, HttpProcessingError) else flavor_for(request)
         resp = web.Response(status=status, body=render_error(err, flavor),
                             content_type="application/json")
         resp.force_close()

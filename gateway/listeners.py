@@ -78,14 +78,14 @@ def split_middlewares(rules: Rules) -> list[Middleware]:
             if not is_admin_path(path) and (path not in PROBES or relay):
                 return error_response(NotHere(
                     "the admin listener (listen.admin_port) serves only /metrics, /admin/*, "
-                    "GET /healthz and GET /readyz"), flavor_for(path))
+                    "GET /healthz and GET /readyz"), flavor_for(request))
             if relay:
                 return error_response(NoRoute(f"no {request.method} route here: the admin "
-                                              "listener relays nothing"), flavor_for(path))
+                                              "listener relays nothing"), flavor_for(request))
         elif is_admin_path(path):
             return error_response(NotHere("/metrics and /admin/* are served on the admin "
                                           "listener (listen.admin_port), not on this port"),
-                                  flavor_for(path))
+                                  flavor_for(request))
         return await handler(request)
 
     return [split_listeners]

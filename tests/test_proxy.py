@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import orjson
 import pytest
@@ -365,6 +366,30 @@ async def test_upstream_unreachable_is_502(gateway: GatewayFactory) -> None:
     err = orjson.loads(body)["error"]
     assert err["type"] == "gateway_error" and err["code"] == "upstream_unreachable"
     assert gw.mem_events()[-1]["status"] == "502"
+
+
+async def test_anthropic_sdk_off_its_messages_routes_gets_its_error_shape(
+    gateway: GatewayFactory,
+) -> None:
+    """The Anthropic SDK's calls beside Messages (models.list) are relayed by the
+    catch-all; with the upstream down the error it reads is in Anthropic's shape (it
+    sends anthropic-version on every call), the OpenAI SDK's in OpenAI's."""
+    dead = f"http://127.0.0.1:{_free_port()}"
+    gw = await gateway(upstream_url=dead)
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key=SECRET,
+                                        max_retries=0) as c:
+        with pytest.raises(anthropic.APIStatusError) as exc:
+            await c.models.list()
+    assert exc.value.status_code == 502
+    assert exc.value.body == {"type": "error", "error": {
+        "type": "api_error", "message": exc.value.body["error"]["message"]}}
+    assert "upstream" in exc.value.body["error"]["message"]
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=SECRET,
+                                  max_retries=0) as o:
+        with pytest.raises(openai.APIStatusError) as oexc:
+            await o.models.list()
+    assert oexc.value.status_code == 502
+    assert oexc.value.body["code"] == "upstream_unreachable"  # type: ignore[index]
 
 
 async def test_upstream_timeout_is_504(gateway: GatewayFactory, aiohttp_server: Any) -> None:
