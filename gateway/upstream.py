@@ -42,6 +42,16 @@ GATEWAY_HEADERS = frozenset(("x-memgate-admin-token",))
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")  # how the server hands on a byte not UTF-8
 
 
+def as_written(v: str) -> str:
+    """A response header value or reason phrase as the server can write it: one whose
+    bytes are not UTF-8 arrives with lone surrogates, which the server would drop
+    (`caf\xe9` relayed as `caf`); its bytes are taken as Latin-1, what such obs-text
+    historically is (RFC 9110 5.5), and written as their UTF-8."""
+    if v.isascii() or not _NOT_UTF8.search(v):
+        return v
+    return v.encode("utf-8", "surrogateescape").decode("latin-1")
+
+
 def hop_by_hop(headers: Any) -> frozenset[str]:
     """HOP_BY_HOP and the headers this message's `Connection` names (RFC 9110 7.6.1)."""
     named = [t.strip().lower() for v in headers.getall("Connection", ()) for t in v.split(",")]
@@ -322,11 +332,13 @@ async def relay(
     info.upstream_ms = (time.perf_counter() - t0) * 1000
     info.status = up_resp.status
     async with up_resp:
-        resp = web.StreamResponse(status=up_resp.status, reason=up_resp.reason)
+        reason = up_resp.reason
+        resp = web.StreamResponse(status=up_resp.status,
+                                  reason=as_written(reason) if reason else reason)
         hop = hop_by_hop(up_resp.headers)
         for k, v in up_resp.headers.items():
             if k.lower() not in hop:
-                resp.headers.add(k, v)
+                resp.headers.add(k, as_written(v))
         if up_resp.content_length is not None:
             resp.content_length = up_resp.content_length
         try:

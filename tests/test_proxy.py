@@ -223,6 +223,40 @@ async def test_big_and_many_answer_headers_are_relayed(
         assert r.headers["X-Big"] == "b" * 9000 and r.headers["X-H199"] == "199"
 
 
+async def test_answer_header_bytes_not_utf8_are_kept_as_latin1(
+    gateway: GatewayFactory,
+) -> None:
+    """An upstream whose header value and reason phrase hold bytes that are not UTF-8
+    (Latin-1 obs-text): every character reaches the client (written as UTF-8), none is
+    dropped, and valid headers beside them are untouched."""
+    answer = (b"HTTP/1.1 200 Caf\xe9 OK\r\nContent-Type: application/json\r\n"
+              b"Content-Disposition: attachment; filename=\"r\xe9sum\xe9.txt\"\r\n"
+              b"X-Plain: caf\xc3\xa9\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        gw = await gateway(upstream_url=f"http://127.0.0.1:{port}")
+        reader, writer = await asyncio.open_connection(gw.server.host, gw.server.port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        got = await reader.read()
+        writer.close()
+    finally:
+        server.close()
+    head = got.split(b"\r\n\r\n", 1)[0].decode("utf-8").split("\r\n")
+    assert head[0] == "HTTP/1.1 200 Caf\u00e9 OK"
+    assert 'Content-Disposition: attachment; filename="r\u00e9sum\u00e9.txt"' in head
+    assert "X-Plain: caf\u00e9" in head  # UTF-8 from the upstream: relayed as it came
+    assert got.endswith(b"\r\n\r\n{}")
+
+
 async def test_anthropic_sdk_calls_off_messages_go_to_anthropic(
     gateway: GatewayFactory, upstream: Upstream, aiohttp_server: Any
 ) -> None:
