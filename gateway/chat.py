@@ -448,8 +448,11 @@ def _compactable(d: Decision, rules: Rules
     crules = rules.memory.eviction.compact
     pins = frozenset(i for g in conv.pinned_groups for i, _ in conv.groups[g].pins)
     items, role = d.messages, d.wire.item_role
+    # the results the model is to act on now: after its last item, in the current turn
+    # (one a later user message follows is history, as an answered one is)
     unread = next((i + 1 for i in range(len(items) - 1, -1, -1)
                    if role(items[i]) == "assistant"), 0)
+    unread = max(unread, current_turn_start(conv) or 0)
     results = tool_results(d.view, d.wire, items, rules.shortcuts_off)  # resumed per session
     todo: dict[int, list[ToolResult]] = {}
     for r in eligible(results, crules, pins, unread):

@@ -169,7 +169,8 @@ def agent_body(draw: st.DrawFn) -> tuple[str, dict[str, Any], bytes, Any, bool]:
                 items.append({"role": "user", "content": [
                     {"type": "tool_result", "tool_use_id": cid,
                      "content": [{"type": "text", "text": out}] if blocks else out}]})
-        items.append({"role": "assistant", "content": f"done {t}"})
+        if draw(st.booleans()):  # else the next request follows the results unanswered
+            items.append({"role": "assistant", "content": f"done {t}"})
     items.append({"role": "user", "content": "and now?"})
     if draw(st.booleans()):  # the model's parallel calls, their results not read yet
         outs = [(f"call_p{k}", draw(tool_output())) for k in range(2)]
@@ -223,7 +224,10 @@ def test_compaction_keeps_pairs_bytes_and_is_idempotent(
                          ) if any(m["role"] == "assistant" for m in body["messages"]) else -1
     # unread results are never compacted (the newest keep_recent may be, when whole they
     # cannot keep their turn: test_the_newest_result_is_compacted_rather_than_its_turn_dropped)
-    protected = {r.index for r in results if r.index > last_assistant}
+    # (those the model is to act on now: after its last item, in the current turn)
+    turn_start = max(i for i, m in enumerate(body["messages"])
+                     if m["role"] == "user" and isinstance(m["content"], str))
+    protected = {r.index for r in results if r.index > last_assistant and r.index >= turn_start}
     orig_items = split_list(raw[raw.index(b"[", raw.index(b'"messages"')):])
     fwd_items = split_list(fwd[fwd.index(b"[", fwd.index(b'"messages"')):])
     assert len(fwd_items) == len(d.plan.kept)
@@ -429,6 +433,36 @@ def test_the_newest_result_is_compacted_rather_than_its_turn_dropped() -> None:
     raw = orjson.dumps({"model": "gpt-4o-mini", "messages": [*small, items[-1]]})
     d = decide(raw, orjson.loads(raw), rules_for(6000, "turn", 1, 0.6), _TOK)
     assert d.plan is not None and 23 in d.plan.kept and 23 not in d.compacted
+
+
+def test_a_result_a_new_request_follows_unanswered_is_compacted_not_dropped() -> None:
+    """A tool result the user's next message follows with no answer between (BFCL's
+    shape; a user who interrupts) is history like an answered one: when whole it cannot
+    fit it is compacted, not dropped with its turn (before: it counted as not read yet,
+    so the 31 KB result of BFCL payload 100 was dropped and 0% of it forwarded). The
+    results of the current turn after the model's last call still stay whole."""
+    prices = {"price": 220.34, "MA(5)": [round(200 + n * 0.37, 2) for n in range(3000)]}
+    items: list[dict[str, Any]] = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "Nvidia's stock details, please"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function",
+            "function": {"name": "get_stock_info", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": json.dumps(prices)},
+        {"role": "user", "content": "now fund my account with 10000"}]
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": items})
+    for unit in ("turn", "group"):
+        d = decide(raw, orjson.loads(raw), rules_for(2000, unit, 1, 0.6), _TOK)
+        assert d.plan is not None and not d.plan.dropped, unit
+        assert sorted(d.compacted) == [3], unit
+        sent = orjson.loads(d.forward)["messages"][3]["content"]
+        assert MARK in sent and "220.34" in sent
+    # the same result in the current turn, after the model's last call: the model is to
+    # act on it now, so it is never compacted (whatever that costs)
+    current = [*items[:1], items[4], *items[2:4]]
+    raw = orjson.dumps({"model": "gpt-4o-mini", "messages": current})
+    d = decide(raw, orjson.loads(raw), rules_for(2000, "turn", 0, 0.6), _TOK)
+    assert d.plan is not None and not d.compacted
 
 
 def test_chat_custom_tool_calls_are_counted_and_named() -> None:
