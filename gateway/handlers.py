@@ -8,7 +8,7 @@ import hmac
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,7 @@ from .metrics import route_class
 from .recall import OPEN_TIMEOUT_S, RECALL_TIMEOUT_S, GuardedStore, archive_records, recall
 from .rules import Rules, Upstream
 from .session import client_refusal, session_id, tenant_of
-from .state import RedisState, SessionRecord, compare_cut, fingerprint, known_prefix
+from .state import RedisState, SessionRecord, compare_cut, fingerprint, known_prefix, runs
 from .store.model import build_record, format_ts, now_us
 from .upstream import (
     DECODED,
@@ -666,7 +666,8 @@ async def _measure_session(
         msg_tokens = known_tokens + sum(d.message_tokens(i) for i in range(known, len(msgs)))
     fields = mem_fields(d, debug, est_tokens=d.overhead_tokens() + msg_tokens)
     on = d.plan is not None and d.mode == "on"
-    kept = tuple(d.forwarded()) if on and d.plan is not None else tuple(range(len(msgs)))
+    # the forwarded items the next request is compared with (all but recalled history)
+    kept: Sequence[int] = _stable(d.forwarded(), d) if on else range(len(msgs))
     cut = on and d.plan is not None and bool(d.plan.dropped)
     if on and state_ok:
         status, same = compare_cut(prev, grown, kept, cut)
@@ -684,12 +685,13 @@ async def _measure_session(
     return fields
 
 
-def _record(d: Decision, kept: tuple[int, ...], cut: bool, msg_tokens: int) -> SessionRecord:
-    """What the session's next request is compared with: this one as forwarded."""
+def _record(d: Decision, kept: Sequence[int], cut: bool, msg_tokens: int) -> SessionRecord:
+    """What the session's next request is compared with: this one as forwarded (`kept`:
+    its stable items)."""
     msgs = d.messages
     n = len(msgs)
     return SessionRecord(
-        kept=_stable(kept, d), n_messages=n, last=fingerprint(msgs[-1]), cut=cut,
+        kept=runs(kept), n_messages=n, last=fingerprint(msgs[-1]), cut=cut,
         msg_tokens=msg_tokens, before_last=fingerprint(msgs[-2]) if n > 1 else b"",
         msg_tokens_before_last=msg_tokens - d.message_tokens(n - 1),
     )
@@ -715,13 +717,13 @@ async def _resent(
     n = len(d.messages)
     try:
         await state.sessions.put_record(tenant, session, _record(
-            d, tuple(range(n)), False, was["est_tokens"] - d.overhead_tokens()))
+            d, range(n), False, was["est_tokens"] - d.overhead_tokens()))
     except BackendDown:
         head["state"] = "unavailable"
     return head, tail
 
 
-def _stable(forwarded: tuple[int, ...], d: Decision) -> tuple[int, ...]:
+def _stable(forwarded: list[int], d: Decision) -> Sequence[int]:
     """The forwarded items the next request is compared with: all but the recalled
     history, which the next question recalls anew (the prefix a provider's cache can
     reuse ends where it starts)."""

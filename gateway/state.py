@@ -25,13 +25,33 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class SessionRecord:
-    kept: tuple[int, ...]  # message indices forwarded last time
+    # the message indices forwarded last time, as runs (`runs`): a history of any length
+    # forwarded whole is two numbers
+    kept: tuple[int, ...]
     n_messages: int  # history length last time
     last: bytes  # fingerprint of the last message last time (append-only check)
     cut: bool  # whether anything was dropped last time
     msg_tokens: int  # tokens of all messages last time (est_tokens without overhead)
     before_last: bytes = b""  # fingerprint of the message before the last one
     msg_tokens_before_last: int = 0  # tokens of all messages but the last one
+
+
+def runs(indices: Sequence[int]) -> tuple[int, ...]:
+    """Indices as the start and stop of each run of consecutive ones (a step of one),
+    flattened: (0, 3, 7, 9) is 0, 1, 2, 7, 8."""
+    if isinstance(indices, range) and indices.step == 1:
+        return (indices.start, indices.stop) if indices else ()
+    out: list[int] = []
+    for i in indices:
+        if out and out[-1] == i:
+            out[-1] = i + 1
+        else:
+            out += (i, i + 1)
+    return tuple(out)
+
+
+def runs_len(kept: tuple[int, ...]) -> int:
+    return sum(kept[1::2]) - sum(kept[::2])
 
 
 def fingerprint(message: Any) -> bytes:
@@ -133,13 +153,15 @@ class RedisState:
         if raw is None:
             return None
         d = orjson.loads(raw)
-        return SessionRecord(kept=tuple(d["kept"]), n_messages=d["n"],
+        # "kept": the indices themselves, as a version before runs wrote them
+        kept = tuple(d["runs"]) if "runs" in d else runs(d["kept"])
+        return SessionRecord(kept=kept, n_messages=d["n"],
                              last=bytes.fromhex(d["last"]), cut=d["cut"], msg_tokens=d["tok"],
                              before_last=bytes.fromhex(d["before_last"]),
                              msg_tokens_before_last=d["tok_before_last"])
 
     async def put_record(self, tenant: str, session: str, rec: SessionRecord) -> None:
-        value = orjson.dumps({"kept": rec.kept, "n": rec.n_messages, "last": rec.last.hex(),
+        value = orjson.dumps({"runs": rec.kept, "n": rec.n_messages, "last": rec.last.hex(),
                               "cut": rec.cut, "tok": rec.msg_tokens,
                               "before_last": rec.before_last.hex(),
                               "tok_before_last": rec.msg_tokens_before_last})
@@ -205,15 +227,25 @@ def compare_cut(
     prev: SessionRecord | None, grown: bool, kept: Sequence[int], cut: bool
 ) -> tuple[str, int]:
     """`cut=` value (none | kept | moved) and how many forwarded messages at the start
-    are the same as in the previous forwarded request of this session."""
+    are the same as in the previous forwarded request of this session (the record's
+    indices are runs)."""
     same = 0
     if prev is not None and grown:
         # the history grew by appending: index i is the same message as last time
-        n = min(len(prev.kept), len(kept))
-        while same < n and prev.kept[same] == kept[same]:
-            same += 1
+        same = _common_start(prev.kept, kept)
     if not cut:
         return "none", same
-    if prev is not None and prev.cut and same == len(prev.kept):
+    if prev is not None and prev.cut and same == runs_len(prev.kept):
         return "kept", same
     return "moved", same
+
+
+def _common_start(runs_: tuple[int, ...], kept: Sequence[int]) -> int:
+    """How many of `kept` are, from the start, the indices of `runs_`."""
+    same, n = 0, len(kept)
+    for start, stop in zip(runs_[::2], runs_[1::2]):
+        for i in range(start, stop):
+            if same >= n or kept[same] != i:
+                return same
+            same += 1
+    return same

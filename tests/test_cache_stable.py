@@ -8,9 +8,12 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gateway.chat import decide
 from gateway.gwstate import STATE
+from gateway.state import SessionRecord, compare_cut, runs
 from gateway.tokens import Tokenizers
 
 from .conftest import SECRET, GatewayFactory, Upstream, sample
@@ -185,3 +188,57 @@ async def test_est_tokens_reused_when_the_last_message_is_replaced(
                                               tok).est_tokens()
     assert int(second["est_tokens"]) == decide(orjson.dumps(edited), edited, gw.state.rules,
                                                tok).est_tokens()
+
+
+async def test_the_same_body_again_is_cut_kept_though_the_fill_recalled(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """A body sent again unchanged (a retry) forwards the same bytes: cut=kept with the
+    stable part's tokens, also when the fill recalled history for its question (the
+    recalled items were compared as if they were stable: cut=moved, prefix_tokens=6)."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
+    for i in range(6):
+        msgs += [{"role": "user", "content": f"topic{i} " + "alpha beta gamma " * 30},
+                 {"role": "assistant", "content": f"reply{i} " + "delta " * 60}]
+    msgs.append({"role": "user", "content": "tell me about topic2 alpha"})
+    body = {"model": "gpt-4o-mini", "messages": msgs}
+    gw = await gateway(memory={"enable_eviction": True, "budget": {
+        "max_tokens": 400, "max_chars": None, "max_messages": None, "max_turns": None}})
+    for _ in range(3):
+        await send(gw.url, body, session="s-retry")
+    sent = [r["raw"] for r in upstream.received]
+    assert sent[0] == sent[1] == sent[2]
+    events = gw.mem_events()
+    assert all(int(e["recalled"]) > 0 for e in events)  # the fill did bring history back
+    assert [e["cut"] for e in events] == ["moved", "kept", "kept"]
+    assert int(events[1]["prefix_tokens"]) == int(events[2]["prefix_tokens"]) > 100
+
+
+async def test_a_shadow_session_record_is_small_whatever_its_length(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """In shadow mode every message is forwarded: the session's record holds that as
+    one run, not one index per message (200,000 tiny messages were 10 MB per session,
+    10,000 sessions per key)."""
+    gw = await gateway(memory={"enable_eviction": False, "shadow": True})
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": "k"}
+            for i in range(20_001)]
+    await send(gw.url, {"model": "gpt-4o-mini", "messages": msgs}, session="s-long")
+    (rec,) = gw.state.sessions.records._records.values()
+    assert rec.kept == (0, 20_001) and rec.n_messages == 20_001
+
+
+@given(prev=st.lists(st.integers(0, 60), max_size=40), kept=st.lists(st.integers(0, 60),
+                                                                      max_size=40))
+def test_runs_hold_the_indices_and_compare_as_they_would(prev: list[int],
+                                                         kept: list[int]) -> None:
+    """A record's indices as runs expand to the same indices, and the number of this
+    request's items the previous one started with is what the plain lists say."""
+    rs = runs(prev)
+    assert [i for a, b in zip(rs[::2], rs[1::2]) for i in range(a, b)] == prev
+    assert runs(range(len(prev))) == ((0, len(prev)) if prev else ())
+    rec = SessionRecord(kept=rs, n_messages=61, last=b"", cut=True, msg_tokens=0)
+    same = next((k for k, (a, b) in enumerate(zip(prev, kept)) if a != b),
+                min(len(prev), len(kept)))
+    status = "kept" if same == len(prev) else "moved"
+    assert compare_cut(rec, True, kept, True) == (status, same)

@@ -116,3 +116,33 @@ async def test_accounting_survives_a_client_that_closes_at_once(shared: Any) -> 
 
     await asyncio.gather(*(one(k) for k in range(40)))
     assert len(await a.wait_mem(40)) == 40
+
+
+async def test_a_record_written_before_runs_reads_the_same() -> None:
+    """A session record an earlier version wrote (`kept`: every index) reads as the runs
+    this one writes; this one's round-trips; both compare alike with the next request."""
+    import redis.asyncio as redis
+
+    from gateway.backends import Backend
+    from gateway.state import RedisState, SessionRecord, compare_cut
+
+    prefix = f"memgate-test-{uuid.uuid4().hex[:8]}"
+    state = RedisState(REDIS_URL, 60, prefix, Backend("state", lambda: None), 1.0, 1.0)
+    old = {"kept": [0, 1, 2, 7, 8], "n": 9, "last": "00" * 8, "cut": True, "tok": 90,
+           "before_last": "11" * 8, "tok_before_last": 80}
+    r = redis.from_url(REDIS_URL)
+    try:
+        await r.set(f"{prefix}:rec:t-a:s-1", orjson.dumps(old), ex=60)
+        was = await state.get_record("t-a", "s-1")
+        assert was is not None and was.kept == (0, 3, 7, 9)
+        assert compare_cut(was, True, [0, 1, 2, 7, 8, 9, 10], True) == ("kept", 5)
+        assert compare_cut(was, True, [0, 1, 7, 8, 9], True) == ("moved", 2)
+        rec = SessionRecord(kept=(0, 4), n_messages=4, last=b"\x01" * 8, cut=False,
+                            msg_tokens=40)
+        await state.put_record("t-a", "s-2", rec)
+        assert await state.get_record("t-a", "s-2") == rec
+    finally:
+        async for key in r.scan_iter(match=f"{prefix}:*"):
+            await r.delete(key)
+        await r.aclose()
+        await state.close()
