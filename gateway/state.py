@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import marshal
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,11 @@ class SessionRecord:
     msg_tokens: int  # tokens of all messages last time (est_tokens without overhead)
     before_last: bytes = b""  # fingerprint of the message before the last one
     msg_tokens_before_last: int = 0  # tokens of all messages but the last one
+
+
+def _glob_escape(text: str) -> str:
+    """`text` matched literally in a Redis SCAN pattern."""
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
 
 
 def runs(indices: Sequence[int]) -> tuple[int, ...]:
@@ -180,11 +186,14 @@ class RedisState:
     async def find_snapshots(self, session: str) -> dict[str, dict[str, Any]]:
         async def scan() -> dict[str, dict[str, Any]]:
             out: dict[str, dict[str, Any]] = {}
-            pattern = f"{self.prefix}:snap:*:{session}"
+            head, tail = f"{self.prefix}:snap:", f":{session}"
+            pattern = f"{_glob_escape(head)}*{_glob_escape(tail)}"
             async for key in self.client.scan_iter(match=pattern, count=500):
                 raw = await self.client.get(key)
-                tenant = key.decode().split(":")[2]
-                if raw is not None and key.decode() == self._key("snap", tenant, session):
+                name = key.decode()
+                # by length: a prefix or a session id may hold ":" (a tenant never does)
+                tenant = name[len(head):len(name) - len(tail)]
+                if raw is not None and ":" not in tenant and name == head + tenant + tail:
                     out[tenant] = orjson.loads(raw)
             return out
 

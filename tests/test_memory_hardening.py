@@ -146,6 +146,21 @@ async def test_postgres_on_a_wrong_port_is_503_without_the_password(
     assert "hunter2" not in gw.log.getvalue()
 
 
+async def test_postgres_dsn_with_a_bad_port_is_503_without_the_password(
+    gateway: GatewayFactory
+) -> None:
+    """A DSN asyncpg cannot read (its port not a number) answers the same shaped 503 as
+    a store that does not answer, not a 500, and names no secret."""
+    dsn = "postgresql://memgate:hunter2-SECRET@127.0.0.1:54x2/test"
+    gw = await gateway(store={"backend": "postgres"}, env={"MEMGATE_STORE_DSN": dsn})
+    async with aiohttp.ClientSession() as s, s.post(
+            f"{gw.url}/v1/memories", data=orjson.dumps(SEED_WRITE), headers=AUTH) as r:
+        raw = await r.read()
+        msg = assert_shaped(r.status, orjson.loads(raw), 503, "store_unavailable")
+    assert b"hunter2" not in raw and "54x2" in msg
+    assert "hunter2" not in gw.log.getvalue()
+
+
 def nested(body: dict[str, Any], key: str, depth: int = 1000) -> bytes:
     """`body` as JSON with body[key] an array nested `depth` deep (orjson parses 1,024
     levels but writes only 254, so the JSON is spliced)."""

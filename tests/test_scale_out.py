@@ -146,3 +146,30 @@ async def test_a_record_written_before_runs_reads_the_same() -> None:
             await r.delete(key)
         await r.aclose()
         await state.close()
+
+
+@pytest.mark.parametrize("prefix_head", ["memgate-test", "mg:prod*[x]"])
+async def test_snapshots_are_found_whatever_the_prefix_and_session_hold(
+    prefix_head: str,
+) -> None:
+    """The admin look-up of a session's carry snapshots by tenant: a key prefix with
+    ":" (or glob characters) and a session id with ":" find every tenant's snapshot
+    and no other session's (the tenant was the key's third ":" field: {} for mg:prod)."""
+    from gateway.backends import Backend
+    from gateway.state import RedisState
+
+    prefix = f"{prefix_head}-{uuid.uuid4().hex[:8]}"
+    state = RedisState(REDIS_URL, 60, prefix, Backend("state", lambda: None), 1.0, 1.0)
+    try:
+        await state.put_snapshot("t-a", "team:run:7", {"files": ["a.py"]})
+        await state.put_snapshot("t-b", "team:run:7", {"files": ["b.py"]})
+        await state.put_snapshot("t-a", "run:7", {"files": ["other session"]})
+        await state.put_snapshot("t-a", "team:run:77", {"files": ["other session"]})
+        assert await state.find_snapshots("team:run:7") == {
+            "t-a": {"files": ["a.py"]}, "t-b": {"files": ["b.py"]}}
+        assert await state.find_snapshots("run:7") == {"t-a": {"files": ["other session"]}}
+    finally:
+        async for key in state.client.scan_iter(match=f"{prefix.split(':')[0]}*"):
+            if key.decode().startswith(prefix):
+                await state.client.delete(key)
+        await state.close()

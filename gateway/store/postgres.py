@@ -77,19 +77,27 @@ class PostgresStore:
         except asyncpg.DataError as exc:
             raise StoreError(f"the store refused a value: {exc}") from None
         except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            cause = f"{type(exc).__name__}: {exc}"
-            if self._secret:
-                cause = cause.replace(self._secret, "***")
-            raise StoreUnavailable(f"the PostgreSQL store at {self._where} is unavailable: "
-                                   f"{cause}") from None
+            raise self._unavailable(exc) from None
+
+    def _unavailable(self, exc: Exception) -> StoreUnavailable:
+        cause = f"{type(exc).__name__}: {exc}"
+        if self._secret:
+            cause = cause.replace(self._secret, "***")
+        return StoreUnavailable(f"the PostgreSQL store at {self._where} is unavailable: "
+                                f"{cause}")
 
     async def open(self) -> None:
         settings = {"search_path": self.search_path} if self.search_path else None
         with self._mapped():
-            pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=10,
-                                             server_settings=settings,
-                                             timeout=CONNECT_TIMEOUT_S,
-                                             command_timeout=COMMAND_TIMEOUT_S)
+            try:
+                pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=10,
+                                                 server_settings=settings,
+                                                 timeout=CONNECT_TIMEOUT_S,
+                                                 command_timeout=COMMAND_TIMEOUT_S)
+            except (ValueError, asyncpg.ClientConfigurationError) as exc:
+                # a DSN asyncpg cannot read (a port that is not a number): the store is
+                # unavailable (503, /readyz says why), as one that does not answer is
+                raise self._unavailable(exc) from None
         try:
             with self._mapped():
                 await self._migrate(pool)
