@@ -123,6 +123,9 @@ class MemoryState:
         return None
 
 
+MAX_CONNECTIONS = 64  # to Redis per process: a burst beyond it queues for one
+
+
 class RedisState:
     """Per-session state in Redis, shared by every replica (keys expire after ttl_s).
 
@@ -140,9 +143,14 @@ class RedisState:
         from redis.backoff import NoBackoff
 
         # redis-py's defaults (5 s socket timeout, 3 retries with backoff) held every
-        # request ~5 s behind a hung Redis; the breaker is what retries here
-        self.client = redis.from_url(url, socket_connect_timeout=connect_timeout_s,
-                                     socket_timeout=read_timeout_s, retry=Retry(NoBackoff(), 0))
+        # request ~5 s behind a hung Redis; the breaker is what retries here. Its default
+        # pool raises past 100 connections, which marked a healthy Redis down under a
+        # burst: a command waits for a connection instead (within its own bound)
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=MAX_CONNECTIONS, timeout=None,
+            socket_connect_timeout=connect_timeout_s, socket_timeout=read_timeout_s,
+            retry=Retry(NoBackoff(), 0))
+        self.client = redis.Redis.from_pool(pool)  # closed with the client
         self.ttl_s = ttl_s
         self.prefix = prefix
         self.health = health
