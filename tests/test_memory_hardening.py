@@ -369,3 +369,55 @@ async def test_archived_turns_with_nul_and_a_long_agent_id_are_stored(
                 "filter": {"session_id": "s-nul", "agent_id": "a" * 1000}, "query": "vault"},
                 AUTH)
         assert status == 200 and "ZEBRA\ufffdx" in found["results"][0]["text"]
+
+
+async def test_a_sqlite_file_locked_by_another_writer_answers_503s_in_seconds(
+    gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """Another process holds the store file's write lock (a backup, a second writer):
+    a burst of memory-API writes answers 503 within a few seconds each, not one by one
+    behind each other's 5 s waits (40 s for 12), and a config edit meanwhile is applied
+    at once (the waits filled the default executor the reload reads the file in: 33 s);
+    once the lock goes the API writes again."""
+    db = tmp_path / "m.db"
+    gw = await gateway(store={"path": str(db)})
+    assert (await call("POST", f"{gw.url}/v1/memories", SEED_WRITE, AUTH))[0] == 201
+    hold = 6.0
+    locker = await asyncio.create_subprocess_exec(
+        sys.executable, "-c",
+        "import sqlite3, sys, time\n"
+        "db = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+        "db.execute('BEGIN EXCLUSIVE'); print('locked', flush=True)\n"
+        "time.sleep(float(sys.argv[2])); db.execute('COMMIT')\n",
+        str(db), str(hold), stdout=asyncio.subprocess.PIPE)
+    try:
+        assert locker.stdout is not None
+        assert await locker.stdout.readline() == b"locked\n"
+        t0 = time.monotonic()
+
+        async def write(k: int) -> tuple[int, float]:
+            status, _ = await call("POST", f"{gw.url}/v1/memories",
+                                   {**SEED_WRITE, "turn_id": f"t-lock-{k}"}, AUTH)
+            return status, time.monotonic() - t0
+
+        burst = asyncio.gather(*(write(k) for k in range(12)))
+        await asyncio.sleep(0.2)
+        text = gw.config.read_text()
+        assert "enable_eviction: false" in text
+        gw.config.write_text(text.replace("enable_eviction: false", "enable_eviction: true"))
+        while "config_reload result=ok" not in gw.log.getvalue():
+            assert time.monotonic() - t0 < 2.0, "the reload waited on the store"
+            await asyncio.sleep(0.05)
+        answers = await burst
+        assert [s for s, _ in answers] == [503] * 12
+        assert max(t for _, t in answers) < 3.0, answers
+        await locker.wait()
+        deadline = time.monotonic() + 5.0
+        while (await call("POST", f"{gw.url}/v1/memories",
+                          {**SEED_WRITE, "turn_id": "t-after"}, AUTH))[0] != 201:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.3)
+    finally:
+        if locker.returncode is None:
+            locker.kill()
+            await locker.wait()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -78,22 +79,37 @@ def _row(r: tuple[Any, ...]) -> Record:
                   fields=orjson.loads(r[9]), truncated=bool(r[10]), original_chars=r[11])
 
 
+BUSY_TIMEOUT_S = 2.0  # how long one call waits for another writer's lock on the file
+
+
 class SqliteStore:
+    """One connection, used by one thread of the store's own: a call the file's lock holds
+    up (a backup, another process writing) waits there, never in the event loop's default
+    executor (the config reload, captures and token counting use it). A call that waited
+    BUSY_TIMEOUT_S for the lock fails, and so, at once, does every call in the next
+    BUSY_TIMEOUT_S: a file locked for a minute answers 503s in seconds, not a queue of
+    them each waiting its turn."""
+
     backend = "sqlite"
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="memgate-sqlite")
+        self._locked_until = 0.0  # monotonic: calls fail fast until then
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def open(self) -> None:
-        await asyncio.to_thread(self._open)
+        await self._call(self._open)
 
     def _open(self) -> None:
         try:
             if self.path != ":memory:":
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
+                                 timeout=BUSY_TIMEOUT_S)
         except (sqlite3.Error, OSError) as exc:
             raise self._unavailable("cannot be opened", exc) from None
         try:
@@ -113,30 +129,38 @@ class SqliteStore:
     async def close(self) -> None:
         if self._db is not None:
             db, self._db = self._db, None
-            await asyncio.to_thread(db.close)
+            await self._call(db.close)
+        self._thread.shutdown(wait=False)
 
     def _run(self, fn: Any, *args: Any) -> Any:
         assert self._db is not None, "store not opened"
+        wait = self._locked_until - time.monotonic()
+        if wait > 0:
+            raise StoreUnavailable(f"the SQLite store {self.path} is locked by another "
+                                   f"writer (tried again in {wait:.1f}s)")
         try:
-            with self._lock:
-                return fn(self._db, *args)
+            return fn(self._db, *args)  # on the store's one thread: one call at a time
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                self._locked_until = time.monotonic() + BUSY_TIMEOUT_S
+            raise self._unavailable("failed", exc) from None
         except (sqlite3.Error, OSError) as exc:
             raise self._unavailable("failed", exc) from None
 
     async def write(self, records: list[Record], exists_ok: bool = True) -> int:
         """Insert records in one transaction. An id the tenant holds already is left as it
         is (idempotent archiving) or, unless `exists_ok`, refused: MemoryExists, none written."""
-        return int(await asyncio.to_thread(self._run, _write, records, exists_ok))
+        return int(await self._call(self._run, _write, records, exists_ok))
 
     async def get(self, tenant: str, memory_id: str) -> Record | None:
-        rec: Record | None = await asyncio.to_thread(self._run, _get, tenant, memory_id)
+        rec: Record | None = await self._call(self._run, _get, tenant, memory_id)
         return rec
 
     async def delete(self, tenant: str, memory_id: str) -> bool:
-        return bool(await asyncio.to_thread(self._run, _delete, tenant, memory_id))
+        return bool(await self._call(self._run, _delete, tenant, memory_id))
 
     async def search(self, f: Filter) -> list[tuple[Record, float]]:
-        out: list[tuple[Record, float]] = await asyncio.to_thread(self._run, _search, f)
+        out: list[tuple[Record, float]] = await self._call(self._run, _search, f)
         return out
 
 
