@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -28,7 +29,7 @@ from .errors import GatewayError
 from .rules import Rules
 from .session import tenant_of
 from .store import Store, StoreError, StoreRules, build_filter, build_record, make_store
-from .store.model import MAX_ID_CHARS, MemoryExists, Record, check_id, shown
+from .store.model import MAX_ID_CHARS, MemoryExists, Record, StoreUnavailable, check_id, shown
 
 BodyReader = Callable[[web.Request, int], Awaitable[bytes]]
 Handler = Callable[[web.Request], Awaitable[web.Response]]
@@ -39,6 +40,7 @@ CODES = {404: "not_found", 409: "memory_exists", 413: "record_too_large",
 # history is not cached (history_cache_mb: 0, evicted from it, another replica's) builds
 # its archived turns again on every request; these are not queued again (~5 MB at most)
 RECENT_IDS = 50_000
+OPEN_RETRY_S = 5.0  # after a store failed to open, calls fail at once this long
 
 
 class MemoryService:
@@ -47,6 +49,7 @@ class MemoryService:
         self.log = log
         self.store: Store | None = None
         self._lock = asyncio.Lock()
+        self._open_failed: tuple[StoreUnavailable | None, float] = (None, 0.0)
         self.queue: asyncio.Queue[list[Record]] = asyncio.Queue(1024)
         self.queued = self.written = self.dropped = 0
         self.recent: OrderedDict[tuple[str, str], None] = OrderedDict()
@@ -56,14 +59,24 @@ class MemoryService:
         return [r for r in records if (r.tenant, r.memory_id) not in self.recent]
 
     async def get_store(self, rules: StoreRules) -> Store:
-        """The store, opened on first use (a gateway that never archives opens nothing);
-        one that cannot be opened raises StoreUnavailable and is tried again next time."""
+        """The store, opened on first use (a gateway that never archives opens nothing).
+        One that cannot be opened raises StoreUnavailable, to the calls that waited on
+        that open too, and to every call for OPEN_RETRY_S: then it is tried again (a
+        PostgreSQL that does not answer costs one connect timeout per OPEN_RETRY_S, not
+        one per call, each queued behind the last)."""
         if self.store is None:
             async with self._lock:
                 if self.store is None:
+                    failed, until = self._open_failed
+                    if failed is not None and time.monotonic() < until:
+                        raise failed
                     store = make_store(rules, self.env)
-                    await store.open()
-                    self.store = store
+                    try:
+                        await store.open()
+                    except StoreUnavailable as exc:
+                        self._open_failed = (exc, time.monotonic() + OPEN_RETRY_S)
+                        raise
+                    self.store, self._open_failed = store, (None, 0.0)
                     self.log.info("store_opened", backend=store.backend)
         return self.store
 

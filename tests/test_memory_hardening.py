@@ -133,7 +133,8 @@ async def test_postgres_on_a_wrong_port_is_503_without_the_password(
     gateway: GatewayFactory
 ) -> None:
     """A PostgreSQL store nobody listens for answers a shaped 503 whose cause names no
-    secret from the DSN; the gateway retries on the next request rather than giving up."""
+    secret from the DSN; the gateway tries to open it again after OPEN_RETRY_S rather
+    than giving up."""
     port = free_port()
     dsn = f"postgresql://memgate:hunter2-SECRET@127.0.0.1:{port}/test"
     gw = await gateway(store={"backend": "postgres"}, env={"MEMGATE_STORE_DSN": dsn})
@@ -421,3 +422,39 @@ async def test_a_sqlite_file_locked_by_another_writer_answers_503s_in_seconds(
         if locker.returncode is None:
             locker.kill()
             await locker.wait()
+
+
+async def test_a_postgres_that_hangs_costs_one_connect_timeout_not_one_per_call(
+    gateway: GatewayFactory
+) -> None:
+    """A PostgreSQL that accepts and never answers: 6 memory-API calls at once all answer
+    503 after the one connect timeout their shared open waited (they answered at 5, 10,
+    ... 30 s, each retrying the open behind the last), and a call right after fails at
+    once."""
+    from gateway.store.postgres import CONNECT_TIMEOUT_S
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.read()  # until the client gives up
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        gw = await gateway(store={"backend": "postgres"}, env={
+            "MEMGATE_STORE_DSN": f"postgresql://memgate@127.0.0.1:{port}/test"})
+        t0 = time.monotonic()
+
+        async def one(k: int) -> tuple[int, float]:
+            status, err = await call("POST", f"{gw.url}/v1/memories",
+                                     {**SEED_WRITE, "turn_id": f"t-{k}"}, AUTH)
+            assert_shaped(status, err, 503, "store_unavailable")
+            return status, time.monotonic() - t0
+
+        answers = await asyncio.gather(*(one(k) for k in range(6)))
+        assert max(t for _, t in answers) < CONNECT_TIMEOUT_S + 2, answers
+        t1 = time.monotonic()
+        assert (await one(6))[0] == 503 and time.monotonic() - t1 < 1.0
+    finally:
+        server.close()
