@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -40,7 +39,6 @@ CODES = {404: "not_found", 409: "memory_exists", 413: "record_too_large",
 # history is not cached (history_cache_mb: 0, evicted from it, another replica's) builds
 # its archived turns again on every request; these are not queued again (~5 MB at most)
 RECENT_IDS = 50_000
-OPEN_RETRY_S = 5.0  # after a store failed to open, calls fail at once this long
 
 
 class MemoryService:
@@ -49,7 +47,8 @@ class MemoryService:
         self.log = log
         self.store: Store | None = None
         self._lock = asyncio.Lock()
-        self._open_failed: tuple[StoreUnavailable | None, float] = (None, 0.0)
+        self._failed_opens = 0
+        self._open_failed: StoreUnavailable | None = None
         self.queue: asyncio.Queue[list[Record]] = asyncio.Queue(1024)
         self.queued = self.written = self.dropped = 0
         self.recent: OrderedDict[tuple[str, str], None] = OrderedDict()
@@ -60,23 +59,24 @@ class MemoryService:
 
     async def get_store(self, rules: StoreRules) -> Store:
         """The store, opened on first use (a gateway that never archives opens nothing).
-        One that cannot be opened raises StoreUnavailable, to the calls that waited on
-        that open too, and to every call for OPEN_RETRY_S: then it is tried again (a
-        PostgreSQL that does not answer costs one connect timeout per OPEN_RETRY_S, not
-        one per call, each queued behind the last)."""
+        One that cannot be opened raises StoreUnavailable, also to the calls that waited
+        on that open (a PostgreSQL that does not answer costs them one connect timeout
+        together, not one each, queued behind the last), and is tried again by the next
+        call."""
         if self.store is None:
+            seen = self._failed_opens
             async with self._lock:
                 if self.store is None:
-                    failed, until = self._open_failed
-                    if failed is not None and time.monotonic() < until:
-                        raise failed
+                    if self._failed_opens != seen and self._open_failed is not None:
+                        raise self._open_failed  # the open this call waited on failed
                     store = make_store(rules, self.env)
                     try:
                         await store.open()
                     except StoreUnavailable as exc:
-                        self._open_failed = (exc, time.monotonic() + OPEN_RETRY_S)
+                        self._failed_opens += 1
+                        self._open_failed = exc
                         raise
-                    self.store, self._open_failed = store, (None, 0.0)
+                    self.store = store
                     self.log.info("store_opened", backend=store.backend)
         return self.store
 

@@ -133,8 +133,7 @@ async def test_postgres_on_a_wrong_port_is_503_without_the_password(
     gateway: GatewayFactory
 ) -> None:
     """A PostgreSQL store nobody listens for answers a shaped 503 whose cause names no
-    secret from the DSN; the gateway tries to open it again after OPEN_RETRY_S rather
-    than giving up."""
+    secret from the DSN; the gateway retries on the next request rather than giving up."""
     port = free_port()
     dsn = f"postgresql://memgate:hunter2-SECRET@127.0.0.1:{port}/test"
     gw = await gateway(store={"backend": "postgres"}, env={"MEMGATE_STORE_DSN": dsn})
@@ -429,8 +428,7 @@ async def test_a_postgres_that_hangs_costs_one_connect_timeout_not_one_per_call(
 ) -> None:
     """A PostgreSQL that accepts and never answers: 6 memory-API calls at once all answer
     503 after the one connect timeout their shared open waited (they answered at 5, 10,
-    ... 30 s, each retrying the open behind the last), and a call right after fails at
-    once."""
+    ... 30 s, each retrying the open behind the last); a later call tries again."""
     from gateway.store.postgres import CONNECT_TIMEOUT_S
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -454,7 +452,5 @@ async def test_a_postgres_that_hangs_costs_one_connect_timeout_not_one_per_call(
 
         answers = await asyncio.gather(*(one(k) for k in range(6)))
         assert max(t for _, t in answers) < CONNECT_TIMEOUT_S + 2, answers
-        t1 = time.monotonic()
-        assert (await one(6))[0] == 503 and time.monotonic() - t1 < 1.0
     finally:
         server.close()
