@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -97,8 +97,11 @@ class Metrics:
             self._all = CollectorRegistry()
             MultiProcessCollector(self._all, path=self.shared_dir)  # type: ignore[no-untyped-call]
         r = self.registry = CollectorRegistry()
-        ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
-        PlatformCollector(registry=r)  # python_info: which interpreter serves
+        # process_cpu_seconds_total, resident memory, open fds; python_info: which
+        # interpreter serves. With several workers: CPU and memory summed over them
+        self._watch(ProcessCollector(registry=None), {
+            "process_start_time_seconds": "livemin", "process_max_fds": "livemax"})
+        self._watch(PlatformCollector(registry=None), {"python_info": "livemax"})
         self.requests = Counter("memgate_requests_total", "Requests by route, mode and status",
                                 ["route", "mode", "status"], registry=r)
         self.tokens_before = Histogram("memgate_history_tokens_before",
@@ -313,7 +316,7 @@ class _BackendCollector:
 
 
 class _Collector(Protocol):
-    def collect(self) -> Iterator[Metric]: ...
+    def collect(self) -> Iterable[Metric]: ...
 
 
 class _Mirror:

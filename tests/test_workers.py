@@ -162,6 +162,10 @@ async def test_workers_share_the_port_the_metrics_and_the_config(upstream: Upstr
         assert {m["mode"] for m in mem_events(text)[n:]} == {"on"}
         _, body = await scrape(port, pids)
         assert total(body, "memgate_config_reloads_total", result="ok") == 2
+        # the process's own figures, of both workers: CPU and memory summed
+        assert total(body, "process_cpu_seconds_total") > 0
+        assert total(body, "process_resident_memory_bytes") > 2 * 20e6
+        assert re.search(r'^python_info\{.*implementation="CPython".*\} 1\.0$', body, re.M)
         await sdk.close()
 
         proc.send_signal(signal.SIGTERM)
