@@ -150,6 +150,8 @@ def create_app(
         memory = state.memory
         assert memory is not None
         archiver = asyncio.create_task(memory.run_writer(state.rules.store, state.archive_health))
+        purger = asyncio.create_task(memory.run_purger(lambda: state.rules.store,
+                                                       state.archive_health))
         # one of several workers: its scrape-time values reach the other workers' scrapes
         publisher = (asyncio.create_task(state.metrics.publish_every())
                      if state.metrics.shared_dir else None)
@@ -170,7 +172,7 @@ def create_app(
             state.counting.shutdown(wait=False)
             await state.capture.drain()  # nothing captured is lost on a clean shutdown
             await memory.close()  # archived turns flushed before the store closes
-            for task in (watcher, writer, archiver, publisher):
+            for task in (watcher, writer, archiver, purger, publisher):
                 if task is not None:
                     task.cancel()
                     try:

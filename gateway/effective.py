@@ -103,4 +103,5 @@ def _store(s: StoreRules) -> dict[str, Any]:
                   "archive"),
         "recall": {"enabled": s.recall_enabled, "top_k": s.recall_top_k,
                    "scope": s.recall_scope},
+        "retention": None if s.retention_s is None else window(s.retention_s),
     }

@@ -28,7 +28,16 @@ from .errors import GatewayError
 from .rules import Rules
 from .session import tenant_of
 from .store import Store, StoreError, StoreRules, build_filter, build_record, make_store
-from .store.model import MAX_ID_CHARS, MemoryExists, Record, StoreUnavailable, check_id, shown
+from .store.model import (
+    MAX_ID_CHARS,
+    MemoryExists,
+    Record,
+    StoreUnavailable,
+    check_id,
+    format_ts,
+    now_us,
+    shown,
+)
 
 BodyReader = Callable[[web.Request, int], Awaitable[bytes]]
 Handler = Callable[[web.Request], Awaitable[web.Response]]
@@ -39,6 +48,8 @@ CODES = {404: "not_found", 409: "memory_exists", 413: "record_too_large",
 # history is not cached (history_cache_mb: 0, evicted from it, another replica's) builds
 # its archived turns again on every request; these are not queued again (~5 MB at most)
 RECENT_IDS = 50_000
+PURGE_EVERY_S = 600.0  # how often records past store.retention are deleted
+PURGE_BATCH = 5000  # records deleted per transaction
 
 
 class MemoryService:
@@ -50,7 +61,7 @@ class MemoryService:
         self._failed_opens = 0
         self._open_failed: StoreUnavailable | None = None
         self.queue: asyncio.Queue[list[Record]] = asyncio.Queue(1024)
-        self.queued = self.written = self.dropped = 0
+        self.queued = self.written = self.dropped = self.purged = 0
         self.recent: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def fresh(self, records: list[Record]) -> list[Record]:
@@ -107,6 +118,37 @@ class MemoryService:
                 self.dropped += len(batch)  # store known to be down is not tried per batch
             finally:
                 self.queue.task_done()
+
+    async def run_purger(self, rules: Callable[[], StoreRules], health: Backend,
+                         every_s: float = PURGE_EVERY_S) -> None:
+        """`purge` every `every_s` seconds, with the rules of the moment."""
+        while True:
+            await asyncio.sleep(every_s)
+            await self.purge(rules(), health)
+
+    async def purge(self, rules: StoreRules, health: Backend) -> int:
+        """Delete the records whose ts is older than store.retention from the store, if
+        this process has opened it (archiving or the API did), in batches of PURGE_BATCH,
+        each its own transaction: a writer waits on one batch at most. Returns how many
+        went (logged when any did)."""
+        store = self.store
+        if rules.retention_s is None or store is None:
+            return 0
+        before = now_us() - rules.retention_s * 1_000_000
+        gone = 0
+        try:
+            while True:
+                n = await health.call("purge", functools.partial(store.purge, before,
+                                                                 PURGE_BATCH))
+                gone += n
+                if n < PURGE_BATCH:
+                    break
+        except BackendDown:  # counted and logged by the breaker; tried again next time
+            pass
+        self.purged += gone
+        if gone:
+            self.log.info("store_purged", records=gone, before=format_ts(before))
+        return gone
 
     async def close(self, timeout_s: float = 10.0) -> None:
         try:

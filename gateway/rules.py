@@ -322,7 +322,8 @@ SECTIONS: dict[str, frozenset[str]] = {
     "capture": frozenset({"enabled", "dir", "sample_rate", "max_files", "around_change"}),
     "store": frozenset({"backend", "path", "dsn_env", "write_granularity", "session_scope",
                         "time_boundary", "default_time_window", "default_tags", "search_top_k",
-                        "max_chars_per_record", "on_overlong", "archive", "recall"}),
+                        "max_chars_per_record", "on_overlong", "archive", "recall",
+                        "retention"}),
     "store.recall": frozenset({"enabled", "top_k", "scope"}),
     "state": frozenset({"backend", "redis_url_env", "ttl_s", "key_prefix", "connect_timeout_s",
                         "read_timeout_s", "retry_after_s"}),
@@ -672,7 +673,12 @@ def _parse_store(r: _Reader, data: Any) -> StoreRules:
         recall_top_k=r.get(rc, "store.recall", "top_k", _int(1, 20), d.recall_top_k),
         recall_scope=r.get(rc, "store.recall", "scope", _str(("current", "cross_session")),
                            d.recall_scope),
+        retention_s=r.get(s, k, "retention", _window_or_none, d.retention_s),
     )
+
+
+def _window_or_none(v: Any) -> int | None:
+    return None if v is None else _window(v)
 
 
 _HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -370,3 +372,57 @@ async def test_default_tags_tag_writes_and_filter_searches(
     assert await ids({**flt, "tags": []}) == {untagged["memory_id"], tagged["memory_id"],
                                               before["memory_id"]}
     assert await ids({**flt, "tags": ["budget"]}) == {tagged["memory_id"]}
+
+
+@BACKENDS
+async def test_records_past_retention_are_purged_in_batches(
+    gateway: GatewayFactory, tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """store.retention: the records of every tenant whose ts is older are deleted (in
+    batches: 2 here), with their tags and full-text entries; newer ones stay, and a
+    retention of null deletes nothing."""
+    import gateway.memory_api as memory_api
+
+    monkeypatch.setattr(memory_api, "PURGE_BATCH", 2)
+    async with contextlib.AsyncExitStack() as stack:
+        store: dict[str, Any] = {"retention": "30d"}
+        if backend == "sqlite":
+            gw = await gateway(store={"path": str(tmp_path / "m.db"), **store})
+        else:
+            schema, _ = await stack.enter_async_context(pg_schema())
+            gw = await gateway(store={"backend": "postgres", **store}, env={
+                "MEMGATE_STORE_DSN": f"{PG_DSN}?options=-csearch_path%3D{schema}"})
+        stack.push_async_callback(gw.server.close)
+        base = f"{gw.url}/v1/memories"
+        now = datetime.now(UTC)
+        ids: dict[str, list[tuple[str, dict[str, str]]]] = {"old": [], "new": []}
+        for k, (age, who) in enumerate([(40, AUTH), (400, AUTH), (31, OTHER), (45, AUTH),
+                                        (90, OTHER), (29, AUTH), (0, OTHER)]):
+            ts = (now - timedelta(days=age)).isoformat()
+            status, made = await call("POST", base, {**SEED_WRITE, "turn_id": f"t-{k}",
+                                                     "ts": ts, "text": f"预算 record {k}"}, who)
+            assert status == 201
+            ids["old" if age > 30 else "new"].append((made["memory_id"], who))
+        memory = gw.state.memory
+        assert memory is not None
+        off = replace(gw.state.rules.store, retention_s=None)
+        assert await memory.purge(off, gw.state.archive_health) == 0
+        assert await memory.purge(gw.state.rules.store, gw.state.archive_health) == 5
+        for mid, who in ids["old"]:
+            assert (await call("GET", f"{base}/{mid}", headers=who))[0] == 404
+        for mid, who in ids["new"]:
+            assert (await call("GET", f"{base}/{mid}", headers=who))[0] == 200
+        status, found = await call("POST", f"{base}/search", {
+            "filter": {"session_id": "session-A", "time_from": "2020-01-01T00:00:00Z",
+                       "time_to": now.isoformat(), "tags": ["budget"]}, "query": "预算"}, AUTH)
+        assert status == 200 and [r["memory_id"] for r in found["results"]] == [
+            mid for mid, who in ids["new"] if who is AUTH]
+        assert "store_purged records=5" in gw.log.getvalue()
+        if backend == "sqlite":  # nothing of a purged record is left behind
+            import sqlite3
+
+            db = sqlite3.connect(tmp_path / "m.db")
+            counts = [db.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+                      for t in ("memories", "memories_fts", "memory_tags")]
+            db.close()
+            assert counts == [2, 2, 2]

@@ -104,6 +104,8 @@ class StoreRules:
     recall_enabled: bool = False
     recall_top_k: int = 3
     recall_scope: Literal["current", "cross_session"] = "current"
+    # records whose ts is older than this are deleted (None: kept for ever)
+    retention_s: int | None = 90 * 86400
 
 
 def parse_window(v: str) -> int:

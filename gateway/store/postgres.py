@@ -161,6 +161,14 @@ class PostgresStore:
                 tenant, memory_id)
         return bool(status.endswith(" 1"))
 
+    async def purge(self, before_us: int, limit: int) -> int:
+        """Delete up to `limit` records (of any tenant) whose ts is before `before_us`."""
+        with self._mapped():
+            status = await self._pool.execute(
+                "DELETE FROM memgate_memories WHERE ctid IN (SELECT ctid FROM "
+                "memgate_memories WHERE ts < $1 LIMIT $2)", before_us, limit)
+        return int(status.rsplit(" ", 1)[-1])
+
     async def search(self, f: Filter) -> list[tuple[Record, float]]:
         args: list[Any] = [f.tenant, f.time_from, f.time_to]
         where = ["tenant = $1", "ts >= $2", "ts <= $3" if f.boundary == "closed" else "ts < $3"]

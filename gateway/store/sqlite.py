@@ -163,6 +163,10 @@ class SqliteStore:
         out: list[tuple[Record, float]] = await self._call(self._run, _search, f)
         return out
 
+    async def purge(self, before_us: int, limit: int) -> int:
+        """Delete up to `limit` records (of any tenant) whose ts is before `before_us`."""
+        return int(await self._call(self._run, _purge, before_us, limit))
+
 
 def _migrate(db: sqlite3.Connection, path: str) -> None:
     db.execute("PRAGMA journal_mode=WAL")
@@ -223,6 +227,18 @@ def _delete(db: sqlite3.Connection, tenant: str, memory_id: str) -> int:
                    (tenant, memory_id))
         db.execute("DELETE FROM memories WHERE rowid = ?", (row[0],))
     return 1
+
+
+def _purge(db: sqlite3.Connection, before_us: int, limit: int) -> int:
+    with db:
+        db.execute("BEGIN")
+        rows = db.execute("SELECT rowid, tenant, memory_id FROM memories WHERE ts < ? LIMIT ?",
+                          (before_us, limit)).fetchall()
+        db.executemany("DELETE FROM memories_fts WHERE rowid = ?", [(r[0],) for r in rows])
+        db.executemany("DELETE FROM memory_tags WHERE tenant = ? AND memory_id = ?",
+                       [(r[1], r[2]) for r in rows])
+        db.executemany("DELETE FROM memories WHERE rowid = ?", [(r[0],) for r in rows])
+    return len(rows)
 
 
 def _search(db: sqlite3.Connection, f: Filter) -> list[tuple[Record, float]]:
