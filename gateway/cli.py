@@ -110,7 +110,7 @@ async def serve_forever(app: Any, host: str, port: int, log: Any, drain_s: float
     if worker is not None:
         from .workers import watch_parent
 
-        orphaned = watch_parent(stop)
+        orphaned = watch_parent(stop, worker)
     log.info("listening", host=host, port=port, pid=os.getpid(),
              **({"admin_host": admin[0], "admin_port": admin[1]} if admin else {}))
     await stop.wait()
@@ -184,6 +184,7 @@ def _supervise(args: argparse.Namespace, config: Path | None, env: Mapping[str, 
     serve in this process)."""
     from . import workers as mp
 
+    hang_s = _hang_s(env)
     try:
         reserved = mp.reserve_port(host, port)
     except OSError as exc:  # the same one line and exit code as a single process's bind
@@ -209,7 +210,21 @@ def _supervise(args: argparse.Namespace, config: Path | None, env: Mapping[str, 
             return False
 
     return mp.supervise(reserved, lambda i: [*command, "--worker", str(i)], workers, log,
-                        args.drain_s, loads)
+                        args.drain_s, loads, hang_s)
+
+
+def _hang_s(env: Mapping[str, str]) -> float:
+    """MEMGATE_WORKER_HANG_S: how long a worker's event loop may not turn before the
+    parent kills and restarts it (default 30)."""
+    text = env.get("MEMGATE_WORKER_HANG_S", "30")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 1 <= value <= 3600:
+        raise CommandError(f"MEMGATE_WORKER_HANG_S: a number of seconds from 1 to 3600, "
+                           f"not {text!r}", EXIT_USAGE)
+    return value
 
 
 # --------------------------------------------------------------------------- check-config

@@ -12,9 +12,11 @@ one real port that every worker shares. It gives the workers a private metrics d
 (PROMETHEUS_MULTIPROC_DIR, see metrics.py), forwards SIGTERM/SIGINT (drain) and SIGHUP
 (reload), and restarts a worker that exits: after 0.5 s, doubling per quick failure up
 to 10 s; a worker that fails 5 times in a row within 10 s of its start is a crash loop,
-and the parent then stops the others and exits 1. A worker is not restarted while the
-config file does not load (the running workers keep serving the last good one); and a
-worker whose parent is gone drains and exits by itself.
+and the parent then stops the others and exits 1. Each worker touches a heartbeat file
+every second from its event loop; one silent for `hang_s` (30 s: stopped, or its loop
+stuck) is killed, logged `worker_hung`, and restarted like one that exited. A worker is
+not restarted while the config file does not load (the running workers keep serving the
+last good one); and a worker whose parent is gone drains and exits by itself.
 """
 
 from __future__ import annotations
@@ -117,12 +119,27 @@ def metrics_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=tmp))
 
 
-def watch_parent(stop: asyncio.Event, interval_s: float = 1.0) -> asyncio.Task[None]:
-    """Set `stop` once this worker's parent is gone: no orphan keeps the port."""
+def heartbeat_file(shared_dir: str | Path, index: int) -> Path:
+    """The file worker `index` touches every second from its event loop (in the workers'
+    private directory, beside the metric files)."""
+    return Path(shared_dir) / f"heartbeat-{index}"
+
+
+def watch_parent(stop: asyncio.Event, index: int, interval_s: float = 1.0
+                 ) -> asyncio.Task[None]:
+    """Set `stop` once this worker's parent is gone (no orphan keeps the port), and touch
+    the worker's heartbeat file meanwhile: a loop that stops turning stops touching it."""
     parent = os.getppid()
+    shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    beat = heartbeat_file(shared, index) if shared else None
 
     async def watch() -> None:
         while os.getppid() == parent:
+            if beat is not None:
+                try:
+                    beat.touch()
+                except OSError:  # the directory is the parent's: gone with it
+                    pass
             await asyncio.sleep(interval_s)
         stop.set()
 
@@ -145,6 +162,8 @@ class Supervisor:
         max_backoff_s: float = 10.0,
         stable_s: float = 10.0,
         max_failures: int = 5,
+        beats: Path | None = None,
+        hang_s: float = 30.0,
     ) -> None:
         self.command = command
         self.n = n
@@ -157,6 +176,8 @@ class Supervisor:
         self.max_backoff_s = max_backoff_s
         self.stable_s = stable_s
         self.max_failures = max_failures
+        self.beats = beats  # where the workers' heartbeat files are (None: not watched)
+        self.hang_s = hang_s
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self.crashed = False
         self._stop = asyncio.Event()
@@ -218,7 +239,7 @@ class Supervisor:
                 proc.terminate()
             started = time.monotonic()
             self.log.info("worker_started", worker=index, pid=proc.pid)
-            code = await proc.wait()
+            code = await self._wait(index, proc)
             self.on_exit(proc.pid)
             uptime = time.monotonic() - started
             if self._stop.is_set():
@@ -237,6 +258,32 @@ class Supervisor:
             await self._pause(delay)
 
 
+    async def _wait(self, index: int, proc: asyncio.subprocess.Process) -> int:
+        """The worker's exit code; one whose heartbeat is older than hang_s (stopped, or
+        its event loop stuck) is killed first, and logged."""
+        if self.beats is None:
+            return await proc.wait()
+        beat = heartbeat_file(self.beats, index)
+        since = time.time()  # a worker starting up has not beaten yet
+        while True:
+            try:
+                return await asyncio.wait_for(proc.wait(), min(1.0, self.hang_s / 3))
+            except TimeoutError:
+                pass
+            try:
+                last = max(since, beat.stat().st_mtime)
+            except OSError:
+                last = since
+            if time.time() - last > self.hang_s and not self._stop.is_set():
+                self.log.error("worker_hung", worker=index, pid=proc.pid,
+                               silent_s=round(time.time() - last, 1), action="killed")
+                try:
+                    proc.kill()
+                except ProcessLookupError:
+                    pass
+                return await proc.wait()
+
+
 def child_env(shared_dir: Path) -> dict[str, str]:
     """The workers' environment: the parent's, this package first on the path (a worker
     runs the code its parent runs) and the shared metrics directory."""
@@ -247,8 +294,10 @@ def child_env(shared_dir: Path) -> dict[str, str]:
 
 
 def supervise(reserved: socket.socket, command: Callable[[int], list[str]], n: int,
-              log: Any, drain_s: float, can_start: Callable[[], bool]) -> int:
-    """Run `n` workers on the port `reserved` holds (see reserve_port) until SIGTERM."""
+              log: Any, drain_s: float, can_start: Callable[[], bool],
+              hang_s: float = 30.0) -> int:
+    """Run `n` workers on the port `reserved` holds (see reserve_port) until SIGTERM; one
+    whose event loop has not turned for `hang_s` is killed and restarted."""
     from prometheus_client import multiprocess
 
     try:
@@ -263,7 +312,8 @@ def supervise(reserved: socket.socket, command: Callable[[int], list[str]], n: i
         sup = Supervisor(lambda i: [*command(i), "--port", str(port)], n, child_env(shared),
                          log, drain_s, can_start,
                          on_exit=lambda pid: multiprocess.mark_process_dead(  # type: ignore[no-untyped-call]
-                             pid, str(shared)))
+                             pid, str(shared)),
+                         beats=shared, hang_s=hang_s)
         code = asyncio.run(sup.run())
         log.info("stopped", code=code)
         return code

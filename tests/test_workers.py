@@ -30,7 +30,8 @@ LISTENING = re.compile(r"^(?:\S+Z )?info listening .* pid=(\d+) worker=(\d+)$", 
 
 
 async def start_workers(upstream_url: str, tmp_path: Path, config: Path,
-                        n: int = 2) -> tuple[Any, int, Path]:
+                        n: int = 2, env: dict[str, str] | None = None
+                        ) -> tuple[Any, int, Path]:
     """`memgate serve --workers n`; (parent process, port, log) once every worker listens."""
     port = free_port()
     log = tmp_path / f"serve-{port}.log"
@@ -38,7 +39,8 @@ async def start_workers(upstream_url: str, tmp_path: Path, config: Path,
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gateway", "serve", "--port", str(port), "--config",
             str(config), "--upstream", upstream_url, "--workers", str(n),
-            stdout=out, stderr=out, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            stdout=out, stderr=out, cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
     try:
         await wait_log(log, lambda text: len(LISTENING.findall(text)) >= n, proc)
     except BaseException:  # the parent drains and stops its workers: nothing is left behind
@@ -227,6 +229,35 @@ async def test_a_killed_worker_is_restarted_and_sigterm_drains_every_worker(
             assert re.search(draining, text, re.M), text
             stopped = rf"^(?:\S+Z )?info worker_stopped worker={w} pid=\d+ code=0$"
             assert re.search(stopped, text, re.M)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_a_hung_worker_is_killed_and_restarted(upstream: Upstream,
+                                                     tmp_path: Path) -> None:
+    """A worker whose event loop stops turning (SIGSTOP here; a stuck loop alike) keeps
+    its share of new connections and answers none of them: after MEMGATE_WORKER_HANG_S
+    without a heartbeat the parent kills it (logged worker_hung) and starts another;
+    then every request is answered again."""
+    cfg = write_config(tmp_path / "gateway.yaml")
+    proc, port, log = await start_workers(upstream.url, tmp_path, cfg,
+                                          env={"MEMGATE_WORKER_HANG_S": "2"})
+    try:
+        stuck = workers_of(log.read_text())["0"]
+        os.kill(stuck, signal.SIGSTOP)
+        text = await wait_log(log, lambda t: workers_of(t)["0"] != stuck, proc, 30)
+        (hung,) = [ln for ln in text.splitlines() if " worker_hung " in ln]
+        assert f"pid={stuck} " in hung and "worker=0" in hung and "action=killed" in hung
+        sdk = client(port)
+        for i in range(10):  # new connections: the kernel spreads them over both workers
+            reply = await asyncio.wait_for(sdk.chat.completions.create(
+                model="gpt-4o-mini", messages=[{"role": "user", "content": f"q {i}"}]), 10)
+            assert reply.choices[0].message.content == "hello from upstream"
+        await sdk.close()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
     finally:
         if proc.returncode is None:
             proc.kill()
