@@ -146,19 +146,33 @@ async def test_postgres_on_a_wrong_port_is_503_without_the_password(
     assert "hunter2" not in gw.log.getvalue()
 
 
-async def test_postgres_dsn_with_a_bad_port_is_503_without_the_password(
-    gateway: GatewayFactory
+@pytest.mark.parametrize(("dsn", "where"), [
+    ("postgresql://memgate:hunter2-SECRET@127.0.0.1:54x2/test", "127.0.0.1:54x2"),
+    ("postgresql://memgate:hunter2-SECRET@127.0.0.1:99999/test", "127.0.0.1:99999"),
+    # passwords that break URL parsing: asyncpg's own error quotes a piece of them
+    ("postgresql://app:hunter2/SECRET@127.0.0.1:5432/test", "127.0.0.1:5432"),
+    ("postgresql://app:hunter2#SECRET@127.0.0.1:5432/test", "127.0.0.1:5432"),
+    ("postgresql://app:hunter2?SECRET@127.0.0.1:5432/test", "127.0.0.1:5432"),
+    ("postgresql://app:hunter2-SECRET@[::1:5432/test", "[::1:5432"),
+])
+async def test_postgres_dsn_it_cannot_read_is_503_without_the_password(
+    gateway: GatewayFactory, dsn: str, where: str
 ) -> None:
-    """A DSN asyncpg cannot read (its port not a number) answers the same shaped 503 as
-    a store that does not answer, not a 500, and names no secret."""
-    dsn = "postgresql://memgate:hunter2-SECRET@127.0.0.1:54x2/test"
+    """A DSN asyncpg cannot read (a port that is not a number or too big, a password
+    holding a bare / # ?, a broken IPv6 host) answers the same shaped 503 as a store
+    that does not answer, not a 500, and no piece of the password reaches the answer,
+    /readyz or the log (asyncpg's error said 'Sup3rSecret' of 'Sup3rSecret/x9')."""
     gw = await gateway(store={"backend": "postgres"}, env={"MEMGATE_STORE_DSN": dsn})
-    async with aiohttp.ClientSession() as s, s.post(
-            f"{gw.url}/v1/memories", data=orjson.dumps(SEED_WRITE), headers=AUTH) as r:
-        raw = await r.read()
-        msg = assert_shaped(r.status, orjson.loads(raw), 503, "store_unavailable")
-    assert b"hunter2" not in raw and "54x2" in msg
-    assert "hunter2" not in gw.log.getvalue()
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{gw.url}/v1/memories", data=orjson.dumps(SEED_WRITE),
+                          headers=AUTH) as r:
+            raw = await r.read()
+            msg = assert_shaped(r.status, orjson.loads(raw), 503, "store_unavailable")
+        async with s.get(f"{gw.url}/readyz") as r:
+            ready = await r.read()
+    assert where in msg and "percent-encoded" in msg
+    for seen in (raw, ready, gw.log.getvalue().encode()):
+        assert b"hunter2" not in seen and b"SECRET" not in seen
 
 
 def nested(body: dict[str, Any], key: str, depth: int = 1000) -> bytes:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, unquote
 
 import asyncpg
 import orjson
@@ -52,6 +52,23 @@ COLUMNS = ("memory_id, tenant, agent_id, memory_type, session_id, ts, ts_end, te
            "fields, truncated, original_chars")
 
 
+def dsn_parts(dsn: str) -> tuple[str, list[str]]:
+    """(host[:port] to name the store by, the secrets to mask) of a DSN, read loosely so
+    that a password which breaks URL parsing (a bare / # ?) is still never shown: the
+    login is everything before the last "@" of the DSN, the host what follows it."""
+    _, sep, rest = dsn.partition("://")
+    if not sep:
+        rest = dsn
+    login, at, tail = rest.rpartition("@")
+    host = (tail if at else rest).split("/", 1)[0].split("?", 1)[0] or "localhost"
+    secrets = []
+    if at and ":" in login:
+        password = login.split(":", 1)[1]
+        secrets += [password, unquote(password)]
+    secrets += parse_qs(dsn.partition("?")[2]).get("password", [])
+    return host, sorted({x for x in secrets if x}, key=len, reverse=True)
+
+
 def _row(r: Any) -> Record:
     return Record(memory_id=r[0], tenant=r[1], agent_id=r[2], memory_type=r[3],
                   session_id=r[4], ts=r[5], ts_end=r[6], text=r[7], tags=list(r[8]),
@@ -65,9 +82,7 @@ class PostgresStore:
         self.dsn = dsn
         self.search_path = search_path
         self._pool: Any = None
-        parts = urlsplit(dsn)
-        self._where = parts.netloc.rpartition("@")[2] or "localhost"  # host:port, no login
-        self._secret = parts.password
+        self._where, self._secrets = dsn_parts(dsn)
 
     @contextlib.contextmanager
     def _mapped(self) -> Iterator[None]:
@@ -81,8 +96,8 @@ class PostgresStore:
 
     def _unavailable(self, exc: Exception) -> StoreUnavailable:
         cause = f"{type(exc).__name__}: {exc}"
-        if self._secret:
-            cause = cause.replace(self._secret, "***")
+        for secret in self._secrets:
+            cause = cause.replace(secret, "***")
         return StoreUnavailable(f"the PostgreSQL store at {self._where} is unavailable: "
                                 f"{cause}")
 
@@ -94,10 +109,14 @@ class PostgresStore:
                                                  server_settings=settings,
                                                  timeout=CONNECT_TIMEOUT_S,
                                                  command_timeout=COMMAND_TIMEOUT_S)
-            except (ValueError, asyncpg.ClientConfigurationError) as exc:
-                # a DSN asyncpg cannot read (a port that is not a number): the store is
-                # unavailable (503, /readyz says why), as one that does not answer is
-                raise self._unavailable(exc) from None
+            except (ValueError, OverflowError, asyncpg.ClientConfigurationError) as exc:
+                # a DSN asyncpg cannot read (a port that is not a number, a password with
+                # a bare / # ?): unavailable (503, /readyz says why), as one that does not
+                # answer is. Its text may quote any part of the DSN: only its type is said
+                raise StoreUnavailable(
+                    f"the PostgreSQL store at {self._where} is unavailable: its DSN cannot "
+                    f"be read ({type(exc).__name__}); a password holding / # ? @ or : must "
+                    "be percent-encoded") from None
         try:
             with self._mapped():
                 await self._migrate(pool)
