@@ -373,6 +373,9 @@ async def _relay_planned(f: _Flight, up: Upstream, d: Decision) -> web.StreamRes
     finally:
         if f.measure_at is not None:  # not started yet: `_land` measures
             f.measure_at.cancel()
+        if f.info.first_status and f.tenant is not None:  # before the accounting: the
+            # session's next request may come while this one's line is still written
+            f.state.refused.mark((f.tenant, f.session), f.rules.memory.fallback_backoff_s)
 
 
 async def _land(f: _Flight) -> None:
@@ -703,17 +706,20 @@ async def _resent(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The upstream refused the changed body and got the client's (`d`, unchanged now):
     the line, the metrics and the session record say what went, and the session's next
-    requests go unchanged for memory.fallback_backoff_s. The cut= comparison is left
-    out: it was made with the refused body."""
+    requests go unchanged for memory.fallback_backoff_s (`_relay_planned` marks it). The
+    cut= comparison and what described the refused body only (the records recalled into
+    it, its cache marker) are left out; what was done for it stays said (turns
+    archived: the conversation holds them either way; the carry snapshot)."""
     head, tail = measured
     was = head
     head = {"session": was["session"],
             **mem_fields(d, state.rules.log_level == "debug", est_tokens=was["est_tokens"])}
     if "state" in was:
         head["state"] = was["state"]
+    for key in ("recalled_records", "cache_marker_dropped", "cache_marker"):
+        tail.pop(key, None)
     if tenant is None or not d.messages:
         return head, tail
-    state.refused.mark((tenant, session), state.rules.memory.fallback_backoff_s)
     n = len(d.messages)
     try:
         await state.sessions.put_record(tenant, session, _record(

@@ -161,14 +161,19 @@ class RedisState:
         return f"{self.prefix}:{kind}:{tenant}:{session}"
 
     async def get_record(self, tenant: str, session: str) -> SessionRecord | None:
-        raw = await self.health.call(
-            "get_record", lambda: self.client.get(self._key("rec", tenant, session)),
+        """The record (`rec2`), else one a version before runs wrote (`rec`, with the
+        indices themselves: read in the same round trip). Records are written as `rec2`
+        only, so a replica of that version, during a rolling update, never reads a shape
+        it does not know (it sees its own last record, or none)."""
+        new, old = await self.health.call(
+            "get_record", lambda: self.client.mget(self._key("rec2", tenant, session),
+                                                   self._key("rec", tenant, session)),
             self.timeout_s)
+        raw = new if new is not None else old
         if raw is None:
             return None
         d = orjson.loads(raw)
-        # "kept": the indices themselves, as a version before runs wrote them
-        kept = tuple(d["runs"]) if "runs" in d else runs(d["kept"])
+        kept = tuple(d["runs"]) if new is not None else runs(d["kept"])
         return SessionRecord(kept=kept, n_messages=d["n"],
                              last=bytes.fromhex(d["last"]), cut=d["cut"], msg_tokens=d["tok"],
                              before_last=bytes.fromhex(d["before_last"]),
@@ -181,7 +186,7 @@ class RedisState:
                               "tok_before_last": rec.msg_tokens_before_last})
         await self.health.call(
             "put_record",
-            lambda: self.client.set(self._key("rec", tenant, session), value, ex=self.ttl_s),
+            lambda: self.client.set(self._key("rec2", tenant, session), value, ex=self.ttl_s),
             self.timeout_s)
 
     async def put_snapshot(self, tenant: str, session: str, fields: dict[str, Any]) -> None:

@@ -119,8 +119,10 @@ async def test_accounting_survives_a_client_that_closes_at_once(shared: Any) -> 
 
 
 async def test_a_record_written_before_runs_reads_the_same() -> None:
-    """A session record an earlier version wrote (`kept`: every index) reads as the runs
-    this one writes; this one's round-trips; both compare alike with the next request."""
+    """A session record an earlier version wrote (`rec`, `kept`: every index) reads as
+    the runs this one writes; this one's round-trips under a key of its own (`rec2`: an
+    earlier replica never reads it, as it would with KeyError 'kept' during a rolling
+    update), and is read before the earlier one's."""
     import redis.asyncio as redis
 
     from gateway.backends import Backend
@@ -141,6 +143,9 @@ async def test_a_record_written_before_runs_reads_the_same() -> None:
                             msg_tokens=40)
         await state.put_record("t-a", "s-2", rec)
         assert await state.get_record("t-a", "s-2") == rec
+        assert await r.get(f"{prefix}:rec:t-a:s-2") is None  # the earlier key is not written
+        await state.put_record("t-a", "s-1", rec)  # over the earlier version's record
+        assert await state.get_record("t-a", "s-1") == rec
     finally:
         async for key in r.scan_iter(match=f"{prefix}:*"):
             await r.delete(key)
