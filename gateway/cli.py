@@ -114,10 +114,10 @@ async def serve_forever(app: Any, host: str, port: int, log: Any, drain_s: float
     log.info("listening", host=host, port=port, pid=os.getpid(),
              **({"admin_host": admin[0], "admin_port": admin[1]} if admin else {}))
     await stop.wait()
-    if worker is not None:
-        orphaned.cancel()
     log.info("shutting_down", drain_s=drain_s)
     await runner.cleanup()
+    if worker is not None:  # it beat through the drain: a draining worker is not hung
+        orphaned.cancel()
     return 0
 
 

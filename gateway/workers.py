@@ -134,14 +134,15 @@ def watch_parent(stop: asyncio.Event, index: int, interval_s: float = 1.0
     beat = heartbeat_file(shared, index) if shared else None
 
     async def watch() -> None:
-        while os.getppid() == parent:
+        while True:
+            if os.getppid() != parent:
+                stop.set()
             if beat is not None:
                 try:
                     beat.touch()
                 except OSError:  # the directory is the parent's: gone with it
                     pass
             await asyncio.sleep(interval_s)
-        stop.set()
 
     return asyncio.create_task(watch())
 
@@ -265,11 +266,17 @@ class Supervisor:
             return await proc.wait()
         beat = heartbeat_file(self.beats, index)
         since = time.time()  # a worker starting up has not beaten yet
+        tick = min(1.0, self.hang_s / 3)
+        looked = time.monotonic()
         while True:
             try:
-                return await asyncio.wait_for(proc.wait(), min(1.0, self.hang_s / 3))
+                return await asyncio.wait_for(proc.wait(), tick)
             except TimeoutError:
                 pass
+            now = time.monotonic()
+            if now - looked > self.hang_s / 2:  # this process was not running either (the
+                since = time.time()  # group paused, a VM stopped): silence counts from now
+            looked = now
             try:
                 last = max(since, beat.stat().st_mtime)
             except OSError:

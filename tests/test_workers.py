@@ -264,6 +264,49 @@ async def test_a_hung_worker_is_killed_and_restarted(upstream: Upstream,
             await proc.wait()
 
 
+async def test_a_draining_or_paused_worker_is_not_taken_for_hung(
+        aiohttp_server: Any, tmp_path: Path) -> None:
+    """A worker told to stop on its own (SIGTERM to it, not to the parent) drains a
+    5 s stream past MEMGATE_WORKER_HANG_S: it beats while it drains, so the stream ends
+    whole and nothing is killed. Then the whole group paused past it (docker pause, a
+    stopped VM) and resumed: the parent was not running either, no worker is killed."""
+    up = await slow_stream_upstream(aiohttp_server, n=20, gap_s=0.25)
+    cfg = write_config(tmp_path / "gateway.yaml")
+    proc, port, log = await start_workers(str(up.make_url("")).rstrip("/"), tmp_path, cfg,
+                                          env={"MEMGATE_WORKER_HANG_S": "2"})
+    try:
+        pids = list(workers_of(log.read_text()).values())
+        body = orjson.dumps({**sample("chat_short"), "stream": True})
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                             headers={"Authorization": f"Bearer {SECRET}"})
+            first = await r.content.readany()
+            assert r.connection is not None and r.connection.transport is not None
+            owner = serving_pid(r.connection.transport.get_extra_info("sockname")[1],
+                                port, pids)
+            assert owner is not None
+            os.kill(owner, signal.SIGTERM)
+            whole = first + await r.content.read()
+        assert whole.count(b"data: ") == 20 + 2 and whole.rstrip().endswith(b"[DONE]")
+        text = await wait_log(log, lambda t: len(LISTENING.findall(t)) == 3, proc)
+        assert " worker_hung " not in text
+        group = [proc.pid, *workers_of(text).values()]
+        for pid in group:
+            os.kill(pid, signal.SIGSTOP)
+        await asyncio.sleep(4)
+        for pid in group:
+            os.kill(pid, signal.SIGCONT)
+        await asyncio.sleep(3)  # past the hang bound once more, everyone running
+        assert " worker_hung " not in log.read_text()
+        assert len(LISTENING.findall(log.read_text())) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 async def test_a_crash_looping_worker_stops_the_gateway() -> None:
     """Workers that exit right after their start are restarted with a doubling delay;
     the fifth quick failure of one is a crash loop: the supervisor returns 1."""
