@@ -142,6 +142,10 @@ def create_app(
     async def resources(app: web.Application) -> AsyncIterator[None]:
         _preload_tokenizers(state, state.rules)
         _warn_injection(state, state.rules)
+        if state.rules.store.archive != "off" and state.rules.store.retention_s is None:
+            state.log.warning("store_retention_off", archive=state.rules.store.archive,
+                              hint="archived records are kept for ever: set store.retention "
+                                   "(e.g. 90d) to bound the store")
         _switch_tracing(state, state.rules, env or {})
         for up in state.rules.upstreams:
             state.pool.session(up)

@@ -426,3 +426,21 @@ async def test_records_past_retention_are_purged_in_batches(
                       for t in ("memories", "memories_fts", "memory_tags")]
             db.close()
             assert counts == [2, 2, 2]
+
+
+async def test_an_archiving_gateway_without_retention_says_so(
+    gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """A config without store.retention (written before it existed) keeps records for
+    ever — an upgrade deletes nothing — and a gateway that archives says so at start;
+    with a retention it does not."""
+    quiet = await gateway(store={"path": str(tmp_path / "a.db"), "archive": "evicted",
+                                 "retention": "90d"})
+    async with aiohttp.ClientSession() as s, s.get(f"{quiet.url}/healthz") as r:
+        assert r.status == 200
+    assert "store_retention_off" not in quiet.log.getvalue()
+    gw = await gateway(store={"path": str(tmp_path / "m.db"), "archive": "evicted"})
+    async with aiohttp.ClientSession() as s, s.get(f"{gw.url}/healthz") as r:
+        assert r.status == 200
+    assert gw.state.rules.store.retention_s is None
+    assert "store_retention_off" in gw.log.getvalue()

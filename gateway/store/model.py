@@ -104,8 +104,9 @@ class StoreRules:
     recall_enabled: bool = False
     recall_top_k: int = 3
     recall_scope: Literal["current", "cross_session"] = "current"
-    # records whose ts is older than this are deleted (None: kept for ever)
-    retention_s: int | None = 90 * 86400
+    # records whose ts is older than this are deleted (None, when the key is absent:
+    # kept for ever, so an upgrade deletes nothing; the shipped configs say 90d)
+    retention_s: int | None = None
 
 
 def parse_window(v: str) -> int:
