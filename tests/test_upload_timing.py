@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -30,6 +31,11 @@ async def test_slow_upload_is_not_gateway_overhead(gateway: GatewayFactory,
     overhead_ms stays far below the upload time: the upload is the client's time."""
     gw = await gateway(memory={"enable_eviction": True})
     body = orjson.dumps(sample("chat_long_tools"))
+    # what `memgate serve` does once started (gc.collect, then freeze): the young
+    # generations are emptied. Late in the suite they held ~400k objects of earlier
+    # tests (hypothesis' choice trees), and one collection of them during this request
+    # took 0.6-0.9 s, counted as the gateway's overhead
+    gc.collect()
     async with aiohttp.ClientSession() as s, s.post(
             f"{gw.url}/v1/chat/completions", data=slow_upload(body),
             headers={"Authorization": f"Bearer {SECRET}",
