@@ -61,6 +61,19 @@ async def wait_log(log: Path, done: Any, proc: Any, timeout_s: float = 60) -> st
     return text
 
 
+async def drained(proc: Any) -> int:
+    """SIGTERM to the parent: its exit code once every worker drained."""
+    proc.send_signal(signal.SIGTERM)
+    return int(await asyncio.wait_for(proc.wait(), 30))
+
+
+async def reap(proc: Any) -> None:
+    """A gateway a failed test left running is killed: nothing outlives the test."""
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
 def workers_of(text: str) -> dict[str, int]:
     """worker index -> pid of its latest start."""
     return {w: int(pid) for pid, w in LISTENING.findall(text)}
@@ -170,14 +183,11 @@ async def test_workers_share_the_port_the_metrics_and_the_config(upstream: Upstr
         assert re.search(r'^python_info\{.*implementation="CPython".*\} 1\.0$', body, re.M)
         await sdk.close()
 
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        assert await drained(proc) == 0
         assert not list(metrics_base().glob(f"memgate-metrics-{proc.pid}-*"))
         assert SECRET not in log.read_text()
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await reap(proc)
 
 
 async def test_a_killed_worker_is_restarted_and_sigterm_drains_every_worker(
@@ -230,9 +240,7 @@ async def test_a_killed_worker_is_restarted_and_sigterm_drains_every_worker(
             stopped = rf"^(?:\S+Z )?info worker_stopped worker={w} pid=\d+ code=0$"
             assert re.search(stopped, text, re.M)
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await reap(proc)
 
 
 async def test_a_hung_worker_is_killed_and_restarted(upstream: Upstream,
@@ -256,12 +264,9 @@ async def test_a_hung_worker_is_killed_and_restarted(upstream: Upstream,
                 model="gpt-4o-mini", messages=[{"role": "user", "content": f"q {i}"}]), 10)
             assert reply.choices[0].message.content == "hello from upstream"
         await sdk.close()
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        assert await drained(proc) == 0
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await reap(proc)
 
 
 async def test_a_draining_or_paused_worker_is_not_taken_for_hung(
@@ -299,12 +304,9 @@ async def test_a_draining_or_paused_worker_is_not_taken_for_hung(
         await asyncio.sleep(3)  # past the hang bound once more, everyone running
         assert " worker_hung " not in log.read_text()
         assert len(LISTENING.findall(log.read_text())) == 3
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        assert await drained(proc) == 0
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await reap(proc)
 
 
 async def test_a_crash_looping_worker_stops_the_gateway() -> None:
@@ -410,9 +412,6 @@ async def test_workers_see_a_configmap_flip(upstream: Upstream, tmp_path: Path) 
         shutil.rmtree(mount / "..v1")
         await wait_log(log, lambda t: len(re.findall(
             r"^(?:\S+Z )?info config_reload result=ok .* worker=\d$", t, re.M)) == 2, proc)
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        assert await drained(proc) == 0
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await reap(proc)
