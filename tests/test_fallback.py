@@ -257,3 +257,21 @@ async def test_concurrent_fallbacks_send_each_original_once(
     assert [s for s, _ in results] == [200] * 8
     assert sorted(b for b in picky.seen if b in raws) == sorted(raws)
     assert len(picky.seen) == 16
+
+
+def test_refused_sessions_are_bounded_and_expire(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backoff holds at most max_entries sessions (the least recently refused go
+    first) and forgets each after its backoff; 0 marks nothing."""
+    from gateway import gwstate
+
+    now = [100.0]
+    monkeypatch.setattr(gwstate.time, "monotonic", lambda: now[0])
+    refused = gwstate.RefusedSessions(max_entries=2)
+    for s in ("a", "b", "c"):
+        refused.mark(("t", s), 10)
+    assert len(refused) == 2 and not refused.holds(("t", "a"))
+    assert refused.holds(("t", "b")) and refused.holds(("t", "c"))
+    refused.mark(("t", "d"), 0)
+    assert not refused.holds(("t", "d"))
+    now[0] += 10.5
+    assert not refused.holds(("t", "b")) and len(refused) == 1  # expired, and dropped
