@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""What a user pays: memgate (eviction on, 1 and 2 workers) side by side with the peers a
+"""What a user pays: memgate (eviction on, 1 and 2 workers; `memgate-nokey`: as the
+harness's placeholder key is served, see memgate_config) side by side with the peers a
 user would pick instead (LiteLLM proxy, Headroom proxy), same payloads, same nginx mock
 upstream, one run, as ratios/differences against `direct` and `aiohttp-passthrough`
 measured in the same run (issue #22 item 2).
@@ -35,14 +36,17 @@ from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = Path(os.environ.get("MEMGATE_BENCH_DIR", ROOT.parent.parent / "shared" / "bench"))
+# ../shared/bench beside the checkout (or beside its parent, for a worktree inside one)
+BENCH = Path(os.environ.get("MEMGATE_BENCH_DIR") or next(
+    (p for p in (ROOT.parent / "shared" / "bench", ROOT.parent.parent / "shared" / "bench")
+     if (p / "run.py").exists()), ROOT.parent / "shared" / "bench"))
 MEMGATE = os.environ.get("MEMGATE_BIN", "/work/main/.venv/bin/memgate")
 # another build of memgate measured beside it as `memgate-base` (e.g. the main branch's
 # while MEMGATE_BIN runs a branch's), when set
 BASELINE = os.environ.get("MEMGATE_BASELINE_BIN", "")
 HEADROOM = os.environ.get("HEADROOM_BIN", "/tmp/headroom-venv/bin/headroom")
 PAYLOADS = "small,medium,large,huge,anthropic-medium"
-TARGETS = "direct,aiohttp-passthrough,memgate,memgate-w2,litellm,headroom"
+TARGETS = "direct,aiohttp-passthrough,memgate,memgate-w2,memgate-nokey,litellm,headroom"
 # the #22 targets for memgate's own overhead_ms (p50 by payload; p99 <= 1 ms except 1 MB)
 OVERHEAD_P50 = {"small": 0.1, "medium": 0.2, "large": 0.2, "anthropic-medium": 0.2, "huge": 0.5}
 OVERHEAD_P99 = 1.0
@@ -56,10 +60,18 @@ def load_harness() -> ModuleType:
     return mod
 
 
-def memgate_config(where: Path) -> Path:
-    """The shipped rules/gateway.yaml with eviction on and JSON logs: its default budget
-    (6,000 tokens / 24,000 chars / 60 messages) cuts the medium, large and 1 MB payloads
-    and leaves the small one whole."""
+def memgate_config(where: Path, tenant: str | None = "bench") -> Path:
+    """The shipped rules/gateway.yaml with eviction on and JSON logs (its budget of 6,000
+    tokens cuts the large and 1 MB payloads; small and medium fit whole) and, with
+    `tenant`, that tenant for callers without a usable key.
+
+    The harness sends `Authorization: Bearer sk-fake`, a placeholder memgate takes for no
+    key (shared by every client whose key is unset): such a caller has no tenant, so no
+    session state and no history cache, and every request is parsed, counted and planned
+    cold. A deployment's callers send their own keys; `tenants.anonymous` serves the
+    harness's requests as one keyed caller's (one tenant, its sessions cached), which is
+    what they then pay. `tenant=None` keeps the shipped `anonymous: null` (memgate-nokey:
+    what callers without a key pay)."""
     import yaml
 
     src = Path(os.environ.get("MEMGATE_RULES", "/work/main/rules/gateway.yaml"))
@@ -72,16 +84,19 @@ def memgate_config(where: Path) -> Path:
     if "models_file" in tokens:
         tokens["models_file"] = str(src.parent / tokens["models_file"])
     data["logging"] = {"format": "json", "level": "info"}
-    path = where / "memgate-evict.yaml"
+    data.setdefault("tenants", {})["anonymous"] = tenant
+    path = where / ("memgate-evict.yaml" if tenant else "memgate-evict-nokey.yaml")
     path.write_text(yaml.safe_dump(data), encoding="utf-8")
     return path
 
 
-def custom_targets(cfg: Path) -> dict[str, str]:
+def custom_targets(cfg: Path, nokey: Path) -> dict[str, str]:
     """{name: command template} for the harness's --custom ({port}, {upstream})."""
-    args = (f"serve --config {cfg} --port {{port}} "
-            f"--upstream {{upstream}} --anthropic-upstream {{upstream}}")
-    mg = f"MEMGATE_LOG_FORMAT=json exec {MEMGATE} {args}"
+    def serve(config: Path) -> str:
+        return (f"MEMGATE_LOG_FORMAT=json exec {MEMGATE} serve --config {config} "
+                f"--port {{port}} --upstream {{upstream}} --anthropic-upstream {{upstream}}")
+
+    mg = serve(cfg)
     # Headroom in its default optimizing mode (cache mode: structural compressors, CCR)
     # minus what needs a model download or a network: Kompress (ML compression), the
     # semantic cache; rate limiting (60 rpm by default) and telemetry off; its LiteLLM
@@ -98,8 +113,9 @@ def custom_targets(cfg: Path) -> dict[str, str]:
           "--openai-api-url {upstream} --anthropic-api-url {upstream} "
           + os.environ.get("HEADROOM_FLAGS", "--disable-kompress --no-cache --no-rate-limit "
                            "--no-telemetry --no-http2 --no-subscription-tracking"))
-    base = {"memgate-base": f"MEMGATE_LOG_FORMAT=json exec {BASELINE} {args}"} if BASELINE else {}
-    return {"memgate": mg, "memgate-w2": mg + " --workers 2", **base, "headroom": hr}
+    base = {"memgate-base": serve(cfg).replace(MEMGATE, BASELINE, 1)} if BASELINE else {}
+    return {"memgate": mg, "memgate-w2": mg + " --workers 2", "memgate-nokey": serve(nokey),
+            **base, "headroom": hr}
 
 
 class Recorder:
@@ -171,12 +187,12 @@ def overheads(rec: Recorder, run_dir: Path, target: str) -> dict[str, dict[str, 
     return res
 
 
-def one_round(mod: ModuleType, k: int, a: argparse.Namespace, cfg: Path,
+def one_round(mod: ModuleType, k: int, a: argparse.Namespace, cfg: Path, nokey: Path,
               out: Path) -> dict[str, Any]:
     rec = Recorder(mod)
     run_dir, res_path = out / f"run{k}", out / f"round{k}.json"
     run_dir.mkdir(parents=True, exist_ok=True)
-    customs = custom_targets(cfg)
+    customs = custom_targets(cfg, nokey)
     targets = [t for t in a.targets.split(",") if t]
     argv = ["run.py", "--targets", ",".join(targets), "--payloads", a.payloads,
             "--duration", str(a.duration), "--warmup", str(a.warmup),
@@ -347,8 +363,8 @@ def main() -> int:
         rounds = [json.loads(p.read_text()) for p in sorted(out.glob("round*.json"))]
     else:
         mod = load_harness()
-        cfg = memgate_config(out)
-        rounds = [one_round(mod, k, a, cfg, out) for k in range(a.rounds)]
+        cfg, nokey = memgate_config(out), memgate_config(out, None)
+        rounds = [one_round(mod, k, a, cfg, nokey, out) for k in range(a.rounds)]
     text = report(rounds, targets, payloads)
     (out / "report.txt").write_text(text + "\n")
     print("\n" + text)
