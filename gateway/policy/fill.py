@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections import Counter
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ MAX_POSTINGS = 128
 MAX_SPREAD = 128  # the best direct matches lend their neighbours a share
 _SUFFIXES = ("ing", "ed", "es", "s")
 _MEMO_KEY = "fill_index"
+_SCORE_THEN_GROUP = operator.itemgetter(1, 0)  # of a (group, score) pair
 
 
 @dataclass(slots=True)
@@ -151,6 +153,10 @@ def bm25(idx: Index, query: Sequence[str], eligible: Container[int]) -> dict[int
     avg = idx.total / n or 1.0
     words, lengths, postings = idx.words, idx.lengths, idx.postings
     scores: dict[int, float] = {}
+    get = scores.get
+    k1p, omb = K1 + 1.0, 1.0 - B
+    norms: dict[int, float] = {}  # per group, once: most groups hold several query terms
+    norm_of = norms.get
     for term in dict.fromkeys(query):
         hits = postings.get(term)
         if not hits:
@@ -160,8 +166,10 @@ def bm25(idx: Index, query: Sequence[str], eligible: Container[int]) -> dict[int
         for g in hits[-MAX_POSTINGS:] if df > MAX_POSTINGS else hits:
             if g in eligible:
                 tf = words[g][term]
-                norm = K1 * (1.0 - B + B * lengths[g] / avg)
-                scores[g] = scores.get(g, 0.0) + idf * tf * (K1 + 1.0) / (tf + norm)
+                norm = norm_of(g)
+                if norm is None:
+                    norm = norms[g] = K1 * (omb + B * lengths[g] / avg)
+                scores[g] = get(g, 0.0) + idf * tf * k1p / (tf + norm)
     return scores
 
 
@@ -171,7 +179,7 @@ def rank(idx: Index, query: str, eligible: Container[int],
     to one that does, best first (ties: the newer)."""
     direct = bm25(idx, query_terms(query, common), eligible)
     best = direct if len(direct) <= MAX_SPREAD else dict(
-        sorted(direct.items(), key=lambda kv: (-kv[1], -kv[0]))[:MAX_SPREAD])
+        sorted(direct.items(), key=_SCORE_THEN_GROUP, reverse=True)[:MAX_SPREAD])
     # what the neighbours get, summed first: matches sit together (a topic), so most
     # neighbours are lent to by several and their eligibility is asked once, not per loan
     lent: dict[int, float] = {}
@@ -184,7 +192,9 @@ def rank(idx: Index, query: str, eligible: Container[int],
     for h, part in lent.items():
         if h in direct or h in eligible:
             scores[h] = scores.get(h, 0.0) + part
-    return sorted(scores, key=lambda g: (-scores[g], -g))
+    # best first, ties: the newer (the keys are distinct: the same order as sorting by
+    # (-score, -group), with no Python-level key function)
+    return [g for g, _ in sorted(scores.items(), key=_SCORE_THEN_GROUP, reverse=True)]
 
 
 def forward_order(kept: Sequence[int], recalled: Sequence[int], current: int) -> list[int]:
