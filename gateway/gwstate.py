@@ -85,6 +85,7 @@ class GatewayState:
     pool: UpstreamPool = field(default_factory=UpstreamPool)
     refused: RefusedSessions = field(default_factory=RefusedSessions)
     log: Any = None
+    keyless_seen: bool = False  # a request without a usable key was said once (handlers)
     # called with (the [mem] fields, the decision or None, what happened on the wire) after
     # each [mem] line: the console and tracing read requests here, the request path never
     # waits on them (an observer that raises is logged once per request and skipped)

@@ -275,6 +275,14 @@ def intercept(wire: Wire) -> Handler:
     return handle
 
 
+# what an operator whose callers send no key (or a placeholder: `Bearer sk-fake`, vLLM's
+# EMPTY) should know, said at the first such request: never the header's value
+KEYLESS = ("a request came without a usable key (none, or a placeholder such as EMPTY or "
+           "sk-fake): such callers get no memory, no session state and no history cache, "
+           "so each request is parsed, counted and planned cold; tenants.anonymous names "
+           "a tenant for them")
+
+
 def _history(state: GatewayState, rules: Rules) -> HistoryCache | None:
     """The history cache, unless configured off (history_cache_mb: 0) or switched off
     (MEMGATE_SHORTCUTS_OFF=history)."""
@@ -292,6 +300,9 @@ def _take_off(request: web.Request, wire: Wire) -> _Flight:
     span = state.tracer.start(request, info, wire) if state.tracer is not None else None
     # None: no usable credential (and no anonymous tenant), so no memory at all
     info.tenant = tenant_of(request.headers, rules.tenants)  # observers key by it
+    if info.tenant is None and not state.keyless_seen:
+        state.keyless_seen = True  # once per process: the log is not flooded
+        state.log.warning("keyless_callers", detail=KEYLESS)
     return _Flight(request, state, rules, wire, t0, rid, info, span, info.tenant)
 
 

@@ -177,6 +177,34 @@ async def test_keyless_callers_share_no_session_state(
                 assert r.status == status, session
 
 
+@pytest.mark.parametrize("anonymous", [None, "lab-shared"])
+async def test_keyless_callers_are_told_once_never_with_the_value(
+    gateway: GatewayFactory, upstream: Upstream, tmp_path: Path, anonymous: str | None
+) -> None:
+    """The first chat request without a usable key logs one warning naming the way out
+    (tenants.anonymous); later ones, keyed ones and a mapped anonymous tenant log none.
+    The header's value never appears (a bad key may be a real one, mangled)."""
+    gw = await gateway(memory={"enable_eviction": True, "budget": BUDGET},
+                       tenants={"anonymous": anonymous} if anonymous else {})
+    await send(gw, "bearer", KEYS["A"], history(with_secret=False), "s")
+    await gw.wait_mem(1)
+    assert "keyless_callers" not in gw.log.getvalue()  # a keyed caller is no reason
+    for kind in ("none", "empty-bearer"):
+        await send(gw, kind, "", history(with_secret=False), "s")
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="sk-fake",
+                                  max_retries=0) as c:
+        await c.chat.completions.create(model="gpt-4o-mini",
+                                        messages=openai_messages(history(False)))
+    await gw.wait_mem(4)
+    warned = [ln for ln in gw.log.getvalue().splitlines() if "keyless_callers" in ln]
+    if anonymous:
+        assert warned == []
+        return
+    assert len(warned) == 1, warned
+    assert "tenants.anonymous" in warned[0] and "warning" in warned[0]
+    assert KEYS["A"] not in gw.log.getvalue() and "Bearer" not in warned[0]
+
+
 async def test_anonymous_mapping_gives_keyless_callers_one_named_tenant(
     gateway: GatewayFactory, upstream: Upstream, tmp_path: Path
 ) -> None:
