@@ -279,8 +279,8 @@ def intercept(wire: Wire) -> Handler:
 # EMPTY) should know, said at the first such request: never the header's value
 KEYLESS = ("a request came without a usable key (none, or a placeholder such as EMPTY or "
            "sk-fake): such callers get no memory, no session state and no history cache, "
-           "so each request is parsed, counted and planned cold; tenants.anonymous names "
-           "a tenant for them")
+           "so each of their requests is measured (and, with eviction on, planned) from "
+           "scratch; tenants.anonymous names a tenant for them")
 
 
 def _history(state: GatewayState, rules: Rules) -> HistoryCache | None:
@@ -300,9 +300,6 @@ def _take_off(request: web.Request, wire: Wire) -> _Flight:
     span = state.tracer.start(request, info, wire) if state.tracer is not None else None
     # None: no usable credential (and no anonymous tenant), so no memory at all
     info.tenant = tenant_of(request.headers, rules.tenants)  # observers key by it
-    if info.tenant is None and not state.keyless_seen:
-        state.keyless_seen = True  # once per process: the log is not flooded
-        state.log.warning("keyless_callers", detail=KEYLESS)
     return _Flight(request, state, rules, wire, t0, rid, info, span, info.tenant)
 
 
@@ -316,9 +313,19 @@ async def _forward(f: _Flight) -> web.StreamResponse:
         _admit(rules, up, f.request)
     f.raw = await _read_timed(f)
     if up is not None and _unchangeable(f.state, rules, f.wire, f.raw, f.tenant):
+        _say_keyless(f)
         return await _relay_unchanged(f, up, f.raw)
-    d, up = await _plan(f, f.raw, up)
+    d, up = await _plan(f, f.raw, up)  # admits the caller when the model picks the upstream
+    _say_keyless(f)
     return await _relay_planned(f, up, d)
+
+
+def _say_keyless(f: _Flight) -> None:
+    """The first admitted request without a tenant says what that costs (once per process:
+    each worker of `--workers N` says it once; a refused one is no such caller)."""
+    if f.tenant is None and not f.state.keyless_seen:
+        f.state.keyless_seen = True
+        f.state.log.warning("keyless_callers", detail=KEYLESS)
 
 
 async def _read_timed(f: _Flight) -> bytes:

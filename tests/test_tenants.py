@@ -189,13 +189,18 @@ async def test_keyless_callers_are_told_once_never_with_the_value(
     await send(gw, "bearer", KEYS["A"], history(with_secret=False), "s")
     await gw.wait_mem(1)
     assert "keyless_callers" not in gw.log.getvalue()  # a keyed caller is no reason
+    body = {"model": "gpt-4o-mini", "messages": openai_messages(history(False))}
+    async with aiohttp.ClientSession() as s, s.post(  # the first: a placeholder to look for
+            f"{gw.url}/v1/chat/completions", data=orjson.dumps(body),
+            headers={"x-api-key": "sk-no-key-required"}) as r:
+        assert r.status == 200
     for kind in ("none", "empty-bearer"):
         await send(gw, kind, "", history(with_secret=False), "s")
     async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="sk-fake",
                                   max_retries=0) as c:
         await c.chat.completions.create(model="gpt-4o-mini",
                                         messages=openai_messages(history(False)))
-    await gw.wait_mem(4)
+    await gw.wait_mem(5)
     warned = [ln for ln in gw.log.getvalue().splitlines() if "keyless_callers" in ln]
     if anonymous:
         assert warned == []
@@ -203,6 +208,7 @@ async def test_keyless_callers_are_told_once_never_with_the_value(
     assert len(warned) == 1, warned
     assert "tenants.anonymous" in warned[0] and "warning" in warned[0]
     assert KEYS["A"] not in gw.log.getvalue() and "Bearer" not in warned[0]
+    assert "sk-no-key-required" not in warned[0]
 
 
 async def test_anonymous_mapping_gives_keyless_callers_one_named_tenant(
@@ -382,6 +388,8 @@ async def test_injected_key_serves_allowlisted_clients_only(
             async with s.get(f"{gw.url}/v1/models", headers=headers) as r:  # passthrough
                 assert r.status == 401
     assert len(upstream.received) == 4  # nothing of the refused requests went upstream
+    # a refused keyless caller is told 401, not that tenants.anonymous would serve it
+    assert "keyless_callers" not in gw.log.getvalue()
     async with aiohttp.ClientSession() as s, s.get(
             f"{gw.url}/v1/models", headers={"Authorization": f"Bearer {KEYS['A']}"}) as r:
         assert r.status == 200

@@ -62,7 +62,7 @@ def load_harness() -> ModuleType:
 
 def memgate_config(where: Path, tenant: str | None = "bench") -> Path:
     """The shipped rules/gateway.yaml with eviction on and JSON logs (its budget of 6,000
-    tokens cuts the large and 1 MB payloads; small and medium fit whole) and, with
+    tokens cuts the large, 1 MB and anthropic-medium payloads; small and medium fit whole) and, with
     `tenant`, that tenant for callers without a usable key.
 
     The harness sends `Authorization: Bearer sk-fake`, a placeholder memgate takes for no
