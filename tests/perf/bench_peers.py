@@ -62,8 +62,8 @@ def load_harness() -> ModuleType:
 
 def memgate_config(where: Path, tenant: str | None = "bench") -> Path:
     """The shipped rules/gateway.yaml with eviction on and JSON logs (its budget of 6,000
-    tokens cuts the large, 1 MB and anthropic-medium payloads; small and medium fit whole) and, with
-    `tenant`, that tenant for callers without a usable key.
+    tokens cuts the large, 1 MB and anthropic-medium payloads; small and medium fit
+    whole) and, with `tenant`, that tenant for callers without a usable key.
 
     The harness sends `Authorization: Bearer sk-fake`, a placeholder memgate takes for no
     key (shared by every client whose key is unset): such a caller has no tenant, so no
@@ -92,8 +92,8 @@ def memgate_config(where: Path, tenant: str | None = "bench") -> Path:
 
 def custom_targets(cfg: Path, nokey: Path) -> dict[str, str]:
     """{name: command template} for the harness's --custom ({port}, {upstream})."""
-    def serve(config: Path) -> str:
-        return (f"MEMGATE_LOG_FORMAT=json exec {MEMGATE} serve --config {config} "
+    def serve(config: Path, memgate: str = MEMGATE) -> str:
+        return (f"MEMGATE_LOG_FORMAT=json exec {memgate} serve --config {config} "
                 f"--port {{port}} --upstream {{upstream}} --anthropic-upstream {{upstream}}")
 
     mg = serve(cfg)
@@ -113,7 +113,7 @@ def custom_targets(cfg: Path, nokey: Path) -> dict[str, str]:
           "--openai-api-url {upstream} --anthropic-api-url {upstream} "
           + os.environ.get("HEADROOM_FLAGS", "--disable-kompress --no-cache --no-rate-limit "
                            "--no-telemetry --no-http2 --no-subscription-tracking"))
-    base = {"memgate-base": serve(cfg).replace(MEMGATE, BASELINE, 1)} if BASELINE else {}
+    base = {"memgate-base": serve(cfg, BASELINE)} if BASELINE else {}
     return {"memgate": mg, "memgate-w2": mg + " --workers 2", "memgate-nokey": serve(nokey),
             **base, "headroom": hr}
 
