@@ -462,3 +462,45 @@ def test_recall_leaves_messages_with_a_cache_breakpoint_dropped() -> None:
             for b in m["content"] if "cache_control" in b]
     assert ttls == ["5m"], ttls
     assert 0 not in d.plan.kept and 1 not in d.plan.kept
+
+
+@given(dfs=st.lists(st.integers(1, 12), min_size=1, max_size=8),
+       per_term=st.integers(1, 6), in_all=st.integers(1, 30), data=st.data())
+@settings(max_examples=200, deadline=None)
+def test_scoring_reads_the_rarest_terms_newest_groups_within_its_bounds(
+        dfs: list[int], per_term: int, in_all: int, data: st.DataObject) -> None:
+    """What one request's scoring reads is bounded per term and in all, whatever the
+    history: each term's newest groups, the rarest terms' first, and nothing is left
+    out while the bounds are not reached."""
+    postings = {f"t{k}": sorted(data.draw(st.sets(st.integers(0, 40), min_size=df,
+                                                  max_size=df)))
+                for k, df in enumerate(dfs)}
+    query = data.draw(st.permutations([*postings, "absent"]))
+    got = fill._read(postings, query, per_term, in_all)
+    want = {t: min(len(h), per_term) for t, h in postings.items()}
+    read = {t: hits for t, _, hits in got}
+    assert [t for t, _, _ in got] == [t for t in query if t in read]  # query order
+    assert all(df == len(postings[t]) for t, df, _ in got)
+    assert all(hits and hits == postings[t][len(postings[t]) - len(hits):]  # newest
+               and len(hits) <= per_term for t, hits in read.items())
+    assert sum(map(len, read.values())) == min(in_all, sum(want.values()))
+    # rarest first (ties: in query order): before a term that reads less than it could,
+    # every term reads all it could; after it, none reads anything
+    order = sorted(postings, key=lambda t: (len(postings[t]), query.index(t)))
+    short = [k for k, t in enumerate(order) if len(read.get(t, ())) < want[t]]
+    if short:
+        assert all(len(read[t]) == want[t] for t in order[:short[0]])
+        assert not any(t in read for t in order[short[0] + 1:])
+
+
+def test_a_query_of_common_words_reads_a_bounded_share_of_a_repetitive_history() -> None:
+    """A history that repeats a few words (a log, a template): scoring reads MAX_READ
+    postings, the rare word's group is still found first."""
+    texts = [f"retry timeout pool acquire handler worker queue line {k}" for k in range(400)]
+    texts[17] += " zebra"
+    idx = fill.index_history(conv_of(texts), len(texts), texts.__getitem__)
+    q = fill.query_terms("retry timeout pool acquire handler worker queue zebra")
+    reads = fill._read(idx.postings, q)
+    assert sum(len(h) for _, _, h in reads) == fill.MAX_READ < len(q) * fill.MAX_POSTINGS
+    assert reads[-1][0] == "zebra" and reads[-1][2] == [17]  # the rarest is read
+    assert fill.rank(idx, " ".join(q), range(len(texts)))[0] == 17

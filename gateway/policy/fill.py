@@ -55,6 +55,10 @@ off""".split())
 # that is common (its idf, squared, adds little)
 MAX_QUERY_TERMS = 64
 MAX_POSTINGS = 128
+# and in all, the rarest terms first (their idf, squared, weighs most): a question of
+# common words over a repetitive history (logs, code, a template) reads this many, not
+# up to 64 x 128 (LoCoMo dev reads at most 334 per request, BFCL 29: neither is cut)
+MAX_READ = 512
 MAX_SPREAD = 128  # the best direct matches lend their neighbours a share
 _SUFFIXES = ("ing", "ed", "es", "s")
 _MEMO_KEY = "fill_index"
@@ -146,7 +150,7 @@ def common_terms(text: str) -> Mapping[str, int]:
 def bm25(idx: Index, query: Sequence[str], eligible: Container[int]) -> dict[int, float]:
     """BM25 score (idf squared) of every eligible group that holds at least one of the
     query's terms; reads only the groups that hold them, for each term its newest
-    MAX_POSTINGS."""
+    MAX_POSTINGS, MAX_READ in all (_read)."""
     n = idx.n
     if not n:
         return {}
@@ -157,13 +161,9 @@ def bm25(idx: Index, query: Sequence[str], eligible: Container[int]) -> dict[int
     k1p, omb = K1 + 1.0, 1.0 - B
     norms: dict[int, float] = {}  # per group, once: most groups hold several query terms
     norm_of = norms.get
-    for term in dict.fromkeys(query):
-        hits = postings.get(term)
-        if not hits:
-            continue
-        df = len(hits)
+    for term, df, hits in _read(postings, query):
         idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5)) ** IDF_POWER
-        for g in hits[-MAX_POSTINGS:] if df > MAX_POSTINGS else hits:
+        for g in hits:
             if g in eligible:
                 tf = words[g][term]
                 norm = norm_of(g)
@@ -171,6 +171,24 @@ def bm25(idx: Index, query: Sequence[str], eligible: Container[int]) -> dict[int
                     norm = norms[g] = K1 * (omb + B * lengths[g] / avg)
                 scores[g] = get(g, 0.0) + idf * tf * k1p / (tf + norm)
     return scores
+
+
+def _read(postings: Mapping[str, list[int]], query: Sequence[str],
+          per_term: int = MAX_POSTINGS, in_all: int = MAX_READ
+          ) -> list[tuple[str, int, list[int]]]:
+    """(term, how many groups hold it, the groups scoring reads) of the query's terms the
+    index holds, in query order: per term its newest `per_term`, and `in_all` in all, the
+    rarest terms' first (a term past that reads its newest that are left, or none)."""
+    found = [(term, hits) for term in dict.fromkeys(query) if (hits := postings.get(term))]
+    if sum(min(len(hits), per_term) for _, hits in found) <= in_all:
+        return [(term, len(hits), hits[-per_term:] if len(hits) > per_term else hits)
+                for term, hits in found]
+    left, share = in_all, {}
+    for term, hits in sorted(found, key=lambda th: len(th[1])):  # stable: ties in query order
+        share[term] = take = min(len(hits), per_term, left)
+        left -= take
+    return [(term, len(hits), hits[len(hits) - share[term]:]) for term, hits in found
+            if share[term]]
 
 
 def rank(idx: Index, query: str, eligible: Container[int],
