@@ -40,6 +40,7 @@ from .policy.compact import (
     with_text,
 )
 from .policy.fill import forward_order
+from .policy.plan import fits_unplanned
 from .rules import Rules
 from .splice import Splice, spans_of
 from .tokens import TokenCounter, Tokenizers
@@ -48,6 +49,9 @@ from .wire.openai_chat import OPENAI_CHAT
 
 # the most of a malformed-metadata reason logged or answered (it can quote a client's key)
 REASON_CHARS = 200
+# text of a history not counted yet (a new turn; all of a cold history) that is counted
+# before the plan to tell whether all of it fits (~0.5 ms of counting at most)
+EXACT_CHARS = 16_384
 
 
 @dataclass(slots=True)
@@ -342,15 +346,20 @@ def _plan_into(
         counted_by = d.counter  # one per encoding and factor; not the session `key`
         text_of = _text_of(wire, items)
         note_room = _note_room(d, rules, items, recalled) if d.mode == "on" else None
+        bound = _bytes_bound(raw, d)
+        exact = _exact_tokens(d, rules, prules.limits.max_tokens, overhead, bound)
         todo, spare = (_compactable(d, rules) if "compact_tools" in rules.memory.eviction.order
+                       and not fits_unplanned(d.conv, prules.limits,
+                                              bound if exact is None else min(bound, exact))
                        else ({}, {}))
         # with tool results to compact, this plan only tells whether the history is cut
         # (the stages under the whole budget): it is planned again either way, so the
         # stable part's second pass and the fill are not run for it
         probe = bool(todo or spare)
         d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
-                      tokens_upper_bound=_bytes_bound(raw, d), tokens_key=counted_by,
-                      text_of=None if probe else text_of, reserve=None if probe else note_room)
+                      tokens_upper_bound=bound, tokens_key=counted_by,
+                      text_of=None if probe else text_of, reserve=None if probe else note_room,
+                      tokens_exact=exact)
         # over budget with nothing to drop: an agent loop's one long current turn
         if probe and (d.plan.dropped or d.plan.over_budget):
             client_conv = d.conv
@@ -770,6 +779,18 @@ def _moved_ttl(d: Decision, at: int) -> str | None:
         if (ttl == "1h" and "5m" not in before) or (ttl == "5m" and "1h" not in after):
             return ttl
     return None
+
+
+def _exact_tokens(d: Decision, rules: Rules, limit: int | None, overhead: int, bound: int
+                  ) -> int | None:
+    """The request's tokens (the [mem] line's est_tokens, counted for it anyway), when the
+    body's bytes do not bound them under the budget already and at most EXACT_CHARS of
+    its text is not counted yet (a session's cache holds the rest): a history that fits
+    is then not planned (MEMGATE_SHORTCUTS_OFF=exactfit: it is). `bound`: _bytes_bound."""
+    if (limit is None or bound <= limit or d.uncounted_chars() > EXACT_CHARS
+            or "exactfit" in rules.shortcuts_off):
+        return None
+    return overhead + d.all_message_tokens()
 
 
 def _bytes_bound(raw: bytes, d: Decision) -> int:

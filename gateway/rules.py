@@ -945,7 +945,7 @@ def _admin_port(r: _Reader, listen: dict[str, Any]) -> int | None:
 # What MEMGATE_SHORTCUTS_OFF may name: work the request path saves without changing a
 # decision (the README's Performance section measures what each buys)
 SHORTCUTS = ("history", "splice", "spans", "prefilter", "deferred", "thread", "planpass",
-             "plancache", "recallscan", "toolscan")
+             "plancache", "recallscan", "toolscan", "exactfit")
 
 
 def _env_shortcuts(env: Mapping[str, str]) -> frozenset[str]:

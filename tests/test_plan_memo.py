@@ -15,7 +15,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.chat import Decision, decide
+from gateway.chat import EXACT_CHARS, Decision, decide
 from gateway.errors import GatewayError
 from gateway.history import HistoryCache
 from gateway.policy import plan as plan_module
@@ -29,7 +29,7 @@ from gateway.wire.openai_responses import OPENAI_RESPONSES
 from .strategies import conversation, memory_rules, to_anthropic, to_responses
 
 ROOT = Path(__file__).resolve().parent.parent
-PLAN_SHORTCUTS = "planpass,plancache,recallscan,toolscan"
+PLAN_SHORTCUTS = "planpass,plancache,recallscan,toolscan,exactfit"
 WIRES: dict[str, tuple[Wire, Any]] = {
     "chat": (OPENAI_CHAT, lambda msgs: {"model": "gpt-4o-mini", "messages": msgs}),
     "anthropic": (ANTHROPIC_MESSAGES, to_anthropic),
@@ -258,3 +258,65 @@ def test_compaction_kept_along_a_session_is_what_a_cold_request_gets(
         before = now
     assert grew or budget < 1000  # a group (chat) or an item (anthropic) had more of its
     # results compacted
+
+
+def test_a_history_that_fits_by_its_count_is_not_planned(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Shipped rules, eviction on: a body over the budget in bytes but not in tokens
+    (what most requests of a session are until it outgrows the budget) is counted, not
+    planned (no stage runs, no scan for tool results) while what is left to count is
+    small; its plan is the one the stages come to (every message kept, as `fits`, its
+    count the [mem] line's est_tokens); a cold one with much to count is planned."""
+    calls: list[str] = []
+    for name in list(P.STAGES):
+        stage = P.STAGES[name]
+
+        def counted(st: Any, stage: Any = stage, name: str = name) -> None:
+            calls.append(name)
+            stage(st)
+
+        monkeypatch.setitem(P.STAGES, name, counted)
+    scanned: list[int] = []
+    scan = type(OPENAI_CHAT).tool_results
+
+    def counting_scan(self: Any, items: list[Any], start: int = 0,
+                      names: dict[Any, str] | None = None) -> Any:
+        scanned.append(len(items) - start)
+        return scan(self, items, start, names)
+
+    monkeypatch.setattr(type(OPENAI_CHAT), "tool_results", counting_scan)
+    tok = Tokenizers(50_000)
+
+    def session(rules: Rules, histories: list[list[dict[str, Any]]]
+                ) -> list[tuple[Any, list[str], int, int]]:
+        cache, out = HistoryCache(1 << 26, 10), []
+        for msgs in histories:
+            body = orjson.dumps({"model": "gpt-4o-mini", "messages": [
+                *msgs, {"role": "user", "content": "and now?"}]})
+            calls.clear()
+            scanned.clear()
+            d = decide(body, orjson.loads(body), rules, tok, history=cache, key=("t", "s"))
+            assert d.plan is not None and d.budget_tokens is not None
+            assert len(body) > d.budget_tokens  # the bytes do not tell
+            out.append((outcome(d), list(calls), sum(scanned), d.est_tokens()))
+        return out
+
+    # 9 messages (two tool results of ~3 KB) cold, then grown by a turn at a time: all
+    # under the 6,000 tokens
+    grown = [agent_history(n) for n in (9, 13, 17)]
+    fast, slow = session(shipped(), grown), session(shipped("exactfit"), grown)
+    assert [o for o, *_ in fast] == [o for o, *_ in slow]
+    for (o, stages, scans, est), (_, slow_stages, _, _) in zip(fast, slow, strict=True):
+        plan = o[1]
+        assert not plan.dropped and set(plan.kept_by) == {"fits"}
+        assert plan.kept_tokens == est <= 6000
+        assert stages == [] and scans == 0
+        assert slow_stages  # the long way: the stages keep it all
+    # cold with more than EXACT_CHARS to count (prose: fewer tokens than characters / 4)
+    # is planned, and all kept the same
+    prose = "the quick brown fox jumps over the lazy dog. " * 400
+    assert len(prose) > EXACT_CHARS
+    (o, stages, _, est), = session(shipped(), [[{"role": "user", "content": prose},
+                                                 {"role": "assistant", "content": "ok"}]])
+    assert stages and not o[1].dropped and set(o[1].kept_by) == {"fits"}
+    assert o[1].kept_tokens == est <= 6000

@@ -906,6 +906,7 @@ def plan(
     tokens_key: Any = None,
     text_of: Callable[[int], str] | None = None,
     reserve: Callable[[], Cost] | None = None,
+    tokens_exact: int | None = None,
 ) -> Plan:
     """Decide which messages to keep.
 
@@ -919,21 +920,18 @@ def plan(
     fill ranks dropped history by (see fill_from_request). `reserve()`, when given, is
     asked once the stages have dropped history, before the fill: what the caller will
     add to the request then (tokens, chars, messages: the carry note), which the fill
-    leaves room for.
+    leaves room for. `tokens_exact`, when given, is the total itself (what `tokens_of`
+    sums to over every message, plus `overhead_tokens`).
+
+    A history that fits whole gets the same plan however that is known (by a bound, by
+    the exact total, or by the stages keeping it all): every message kept as `fits`.
     """
     lim = rules.limits
     groups = conv.groups
-    if _fits_without_planning(conv, lim, tokens_upper_bound):
-        return Plan(
-            kept=tuple(range(conv.n_messages)),
-            dropped=Dropped(),
-            kept_by=("fits",) * conv.n_messages,
-            pinned=_count_pins(conv, conv.pinned_groups, rules),
-            pinned_overflow=0,
-            over_budget=False,
-            kept_tokens=None,
-            kept_chars=conv.total_text_chars + conv.outside_chars,
-        )
+    bound = tokens_upper_bound if tokens_exact is None else (
+        tokens_exact if tokens_upper_bound is None else min(tokens_exact, tokens_upper_bound))
+    if fits_unplanned(conv, lim, bound):
+        return _fits_whole(conv, rules, tokens_exact if lim.max_tokens is not None else None)
     # with a recall share, once the stages drop under the whole budget: the stable part
     # gets what the share leaves, the fill the rest
     recall = text_of is not None and rules.recall_share > 0.0
@@ -1019,6 +1017,8 @@ def plan(
         or (lim.max_chars is not None and kept_chars > lim.max_chars)
         or (lim.max_messages is not None and len(kept) > lim.max_messages)
     )
+    if not runs and not over:
+        return _fits_whole(conv, rules, kept_tokens if st.count_tokens else None)
     return Plan(
         kept=tuple(kept),
         dropped=dropped,
@@ -1036,6 +1036,20 @@ def plan(
     )
 
 
+def _fits_whole(conv: Conversation, rules: PlanRules, kept_tokens: int | None) -> Plan:
+    """Every message kept: the history fits (`kept_tokens`: its count, when known)."""
+    return Plan(
+        kept=tuple(range(conv.n_messages)),
+        dropped=Dropped(),
+        kept_by=("fits",) * conv.n_messages,
+        pinned=_count_pins(conv, conv.pinned_groups, rules),
+        pinned_overflow=0,
+        over_budget=False,
+        kept_tokens=kept_tokens,
+        kept_chars=conv.total_text_chars + conv.outside_chars,
+    )
+
+
 def _messages_in(conv: Conversation, a: int, b: int) -> int:
     """Messages in groups[a:b]: groups hold ascending, disjoint indices and, with the
     fixed messages, every index once; so the span minus the fixed messages inside it."""
@@ -1044,7 +1058,8 @@ def _messages_in(conv: Conversation, a: int, b: int) -> int:
     return hi - lo + 1 - (bisect.bisect_right(fixed, hi) - bisect.bisect_left(fixed, lo))
 
 
-def _fits_without_planning(conv: Conversation, lim: Limits, bound: int | None) -> bool:
+def fits_unplanned(conv: Conversation, lim: Limits, bound: int | None) -> bool:
+    """Does the whole history fit `lim`, `bound` being an upper bound of its tokens?"""
     if lim.max_turns is not None and conv.n_turns > lim.max_turns:
         return False
     if lim.max_messages is not None and conv.n_messages > lim.max_messages:
