@@ -6,6 +6,7 @@ taken (the memo hits, the full-budget pass is skipped, the tool-result scan resu
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -137,17 +138,16 @@ def agent_history(n: int) -> list[dict[str, Any]]:
     return msgs
 
 
-def test_warm_path_takes_the_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Shipped rules, eviction on: a request that resends the history with a new question
-    gets the stable part from the memo (no stage runs), a grown one skips the
-    full-budget pass (the recent-turns cap already drops), the tool-result scan resumes
-    from the session's entry; and all of it decides what the long way decides."""
-    calls: dict[str, int] = {}
-    for name in ("length", "pinned"):
+def counting(monkeypatch: pytest.MonkeyPatch, stages: tuple[str, ...]
+             ) -> tuple[list[str], list[int]]:
+    """(each run of the named planner stages, the items each tool-result scan reads),
+    recorded from now on."""
+    calls: list[str] = []
+    for name in stages:
         stage = P.STAGES[name]
 
         def counted(st: Any, stage: Any = stage, name: str = name) -> None:
-            calls[name] = calls.get(name, 0) + 1
+            calls.append(name)
             stage(st)
 
         monkeypatch.setitem(P.STAGES, name, counted)
@@ -160,6 +160,15 @@ def test_warm_path_takes_the_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
         return scan(self, items, start, names)
 
     monkeypatch.setattr(type(OPENAI_CHAT), "tool_results", counting_scan)
+    return calls, scanned
+
+
+def test_warm_path_takes_the_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shipped rules, eviction on: a request that resends the history with a new question
+    gets the stable part from the memo (no stage runs), a grown one skips the
+    full-budget pass (the recent-turns cap already drops), the tool-result scan resumes
+    from the session's entry; and all of it decides what the long way decides."""
+    calls, scanned = counting(monkeypatch, ("length", "pinned"))
     msgs = agent_history(120)
     tok = Tokenizers(50_000)
 
@@ -173,7 +182,7 @@ def test_warm_path_takes_the_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
             calls.clear()
             scanned.clear()
             d = decide(body, orjson.loads(body), rules, tok, history=cache, key=("t", "s"))
-            out.append((outcome(d), dict(calls), sum(scanned)))
+            out.append((outcome(d), dict(Counter(calls)), sum(scanned)))
         return out
 
     # a turn cap that cuts these 30 turns (the shipped 200 would not)
@@ -267,24 +276,7 @@ def test_a_history_that_fits_by_its_count_is_not_planned(monkeypatch: pytest.Mon
     planned (no stage runs, no scan for tool results) while what is left to count is
     small; its plan is the one the stages come to (every message kept, as `fits`, its
     count the [mem] line's est_tokens); a cold one with much to count is planned."""
-    calls: list[str] = []
-    for name in list(P.STAGES):
-        stage = P.STAGES[name]
-
-        def counted(st: Any, stage: Any = stage, name: str = name) -> None:
-            calls.append(name)
-            stage(st)
-
-        monkeypatch.setitem(P.STAGES, name, counted)
-    scanned: list[int] = []
-    scan = type(OPENAI_CHAT).tool_results
-
-    def counting_scan(self: Any, items: list[Any], start: int = 0,
-                      names: dict[Any, str] | None = None) -> Any:
-        scanned.append(len(items) - start)
-        return scan(self, items, start, names)
-
-    monkeypatch.setattr(type(OPENAI_CHAT), "tool_results", counting_scan)
+    calls, scanned = counting(monkeypatch, tuple(P.STAGES))
     tok = Tokenizers(50_000)
 
     def session(rules: Rules, histories: list[list[dict[str, Any]]]
