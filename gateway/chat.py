@@ -786,9 +786,14 @@ def _exact_tokens(d: Decision, rules: Rules, limit: int | None, overhead: int, b
     """The request's tokens (the [mem] line's est_tokens, counted for it anyway), when the
     body's bytes do not bound them under the budget already and at most EXACT_CHARS of
     its text is not counted yet (a session's cache holds the rest): a history that fits
-    is then not planned (MEMGATE_SHORTCUTS_OFF=exactfit: it is). `bound`: _bytes_bound."""
+    is then not planned (MEMGATE_SHORTCUTS_OFF=exactfit: it is). `bound`: _bytes_bound.
+    Not while the session's counts of the items it knows have gaps (a concurrent request
+    of the session, a body decided again): those would be counted here too."""
     if (limit is None or bound <= limit or d.uncounted_chars() > EXACT_CHARS
             or "exactfit" in rules.shortcuts_off):
+        return None
+    counts, known = d._msg_tokens, d.view.known if d.view is not None else 0
+    if known and (counts is None or min(counts[:known]) < 0):
         return None
     return overhead + d.all_message_tokens()
 

@@ -120,7 +120,8 @@ class Metrics:
                                   buckets=SECOND_BUCKETS, registry=r)
         self.pinned = Counter("memgate_pinned_kept_total", "Pinned messages kept", registry=r)
         self.pinned_overflow = Counter("memgate_pinned_overflow_total",
-                                       "Pinned messages beyond max_pinned", registry=r)
+                                       "Pinned messages beyond max_pinned in a history "
+                                       "that was cut", registry=r)
         self.over_budget = Counter("memgate_over_budget_total",
                                    "Requests whose forced part exceeded the budget", registry=r)
         self.skipped = Counter("memgate_evict_skipped_total", "Requests not planned",

@@ -465,23 +465,28 @@ def test_recall_leaves_messages_with_a_cache_breakpoint_dropped() -> None:
 
 
 @given(dfs=st.lists(st.integers(1, 12), min_size=1, max_size=8),
-       per_term=st.integers(1, 6), in_all=st.integers(1, 30), data=st.data())
+       per_term=st.integers(1, 6), in_all=st.integers(1, 30),
+       below=st.none() | st.integers(0, 41), data=st.data())
 @settings(max_examples=200, deadline=None)
 def test_scoring_reads_the_rarest_terms_newest_groups_within_its_bounds(
-        dfs: list[int], per_term: int, in_all: int, data: st.DataObject) -> None:
+        dfs: list[int], per_term: int, in_all: int, below: int | None,
+        data: st.DataObject) -> None:
     """What one request's scoring reads is bounded per term and in all, whatever the
-    history: each term's newest groups, the rarest terms' first, and nothing is left
-    out while the bounds are not reached."""
+    history: of each term's groups before `below` (where the candidates end), the
+    newest, the rarest terms' first, and nothing is left out while the bounds are not
+    reached."""
     postings = {f"t{k}": sorted(data.draw(st.sets(st.integers(0, 40), min_size=df,
                                                   max_size=df)))
                 for k, df in enumerate(dfs)}
     query = data.draw(st.permutations([*postings, "absent"]))
-    got = fill._read(postings, query, per_term, in_all)
-    want = {t: min(len(h), per_term) for t, h in postings.items()}
+    got = fill._read(postings, query, per_term, in_all, below)
+    end = 41 if below is None else below
+    readable = {t: [g for g in h if g < end] for t, h in postings.items()}
+    want = {t: min(len(h), per_term) for t, h in readable.items()}
     read = {t: hits for t, _, hits in got}
     assert [t for t, _, _ in got] == [t for t in query if t in read]  # query order
     assert all(df == len(postings[t]) for t, df, _ in got)
-    assert all(hits and hits == postings[t][len(postings[t]) - len(hits):]  # newest
+    assert all(hits and hits == readable[t][len(readable[t]) - len(hits):]  # newest
                and len(hits) <= per_term for t, hits in read.items())
     assert sum(map(len, read.values())) == min(in_all, sum(want.values()))
     # rarest first (ties: in query order): before a term that reads less than it could,
@@ -489,7 +494,7 @@ def test_scoring_reads_the_rarest_terms_newest_groups_within_its_bounds(
     order = sorted(postings, key=lambda t: (len(postings[t]), query.index(t)))
     short = [k for k, t in enumerate(order) if len(read.get(t, ())) < want[t]]
     if short:
-        assert all(len(read[t]) == want[t] for t in order[:short[0]])
+        assert all(len(read.get(t, ())) == want[t] for t in order[:short[0]])
         assert not any(t in read for t in order[short[0] + 1:])
 
 
@@ -504,3 +509,17 @@ def test_a_query_of_common_words_reads_a_bounded_share_of_a_repetitive_history()
     assert sum(len(h) for _, _, h in reads) == fill.MAX_READ < len(q) * fill.MAX_POSTINGS
     assert reads[-1][0] == "zebra" and reads[-1][2] == [17]  # the rarest is read
     assert fill.rank(idx, " ".join(q), range(len(texts)))[0] == 17
+
+
+def test_scoring_spends_its_bound_on_candidates_not_on_kept_groups() -> None:
+    """The newest groups are the kept ones: a question's common words there do not use
+    up what scoring reads before it gets to the old group that answers it."""
+    texts = [f"note {k}" for k in range(400)]
+    for k in range(300, 400):
+        texts[k] += " deploy cluster invoice"
+    texts[10] += " invoice"
+    idx = fill.index_history(conv_of(texts), len(texts), texts.__getitem__)
+    dropped = set(range(200))
+    assert fill.rank(idx, "deploy cluster invoice", dropped, below=200)[0] == 10
+    # every term's newest groups, capped in all: the old group is not read
+    assert 10 not in fill.bm25(idx, ["deploy", "cluster", "invoice"], dropped)

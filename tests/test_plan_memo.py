@@ -312,3 +312,28 @@ def test_a_history_that_fits_by_its_count_is_not_planned(monkeypatch: pytest.Mon
                                                  {"role": "assistant", "content": "ok"}]])
     assert stages and not o[1].dropped and set(o[1].kept_by) == {"fits"}
     assert o[1].kept_tokens == est <= 6000
+
+
+def test_counts_the_session_has_not_made_are_not_made_before_the_plan() -> None:
+    """A body decided again (with store recall; or a concurrent request of the session)
+    finds the session's counts of a cut history with gaps (the plan counted what it
+    kept): they are left for after forwarding, as the first time, not counted first."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You help."}]
+    for t in range(300):
+        msgs += [{"role": "user", "content": f"question {t} " + "lorem ipsum dolor " * 40},
+                 {"role": "assistant", "content": f"answer {t} " + "adipiscing elit " * 40}]
+    body = orjson.dumps({"model": "gpt-4o-mini", "messages": [
+        *msgs, {"role": "user", "content": "and now?"}]})
+    cfg = yaml.safe_load((ROOT / "rules" / "gateway.yaml").read_text(encoding="utf-8"))
+    cfg["memory"]["enable_eviction"] = True
+    cfg["memory"]["eviction"]["low_water"] = 1.0
+    rules = build_rules(cfg, base_dir=ROOT / "rules")
+    cache, tok = HistoryCache(1 << 26, 10), Tokenizers(50_000)
+    first = decide(body, orjson.loads(body), rules, tok, history=cache, key=("t", "s"))
+    assert first.plan is not None and first.plan.dropped
+    gaps = first._msg_tokens.count(-1) if first._msg_tokens is not None else 0
+    assert gaps > 300  # the plan counted the newest turns only
+    again = decide(body, orjson.loads(body), rules, tok, history=cache, key=("t", "s"),
+                   recalled=["a record the store recalled"])
+    assert again.view is not None and again.view.known == len(again.messages)
+    assert again._msg_tokens is not None and again._msg_tokens.count(-1) >= gaps - 10

@@ -13,6 +13,7 @@ request (history.join), so a growing session never re-reads its old text.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import operator
@@ -151,10 +152,11 @@ def common_terms(text: str) -> Mapping[str, int]:
     return _counted(text)
 
 
-def bm25(idx: Index, query: Sequence[str], eligible: Container[int]) -> dict[int, float]:
+def bm25(idx: Index, query: Sequence[str], eligible: Container[int],
+         below: int | None = None) -> dict[int, float]:
     """BM25 score (idf squared) of every eligible group that holds at least one of the
     query's terms; reads only the groups that hold them, for each term its newest
-    MAX_POSTINGS, MAX_READ in all (_read)."""
+    MAX_POSTINGS, MAX_READ in all (_read; `below`: no eligible group is past it)."""
     n = idx.n
     if not n:
         return {}
@@ -165,7 +167,7 @@ def bm25(idx: Index, query: Sequence[str], eligible: Container[int]) -> dict[int
     k1p, omb = K1 + 1.0, 1.0 - B
     norms: dict[int, float] = {}  # per group, once: most groups hold several query terms
     norm_of = norms.get
-    for term, df, hits in _read(postings, query):
+    for term, df, hits in _read(postings, query, below=below):
         idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5)) ** IDF_POWER
         for g in hits:
             if g in eligible:
@@ -178,28 +180,37 @@ def bm25(idx: Index, query: Sequence[str], eligible: Container[int]) -> dict[int
 
 
 def _read(postings: Mapping[str, list[int]], query: Sequence[str],
-          per_term: int = MAX_POSTINGS, in_all: int = MAX_READ
+          per_term: int = MAX_POSTINGS, in_all: int = MAX_READ, below: int | None = None
           ) -> list[tuple[str, int, list[int]]]:
     """(term, how many groups hold it, the groups scoring reads) of the query's terms the
-    index holds, in query order: per term its newest `per_term`, and `in_all` in all, the
+    index holds, in query order: of its groups before `below` (the fill's candidates end
+    there: the newer ones are kept), its newest `per_term`, and `in_all` in all, the
     rarest terms' first (a term past that reads its newest that are left, or none)."""
-    found = [(term, hits) for term in dict.fromkeys(query) if (hits := postings.get(term))]
-    if sum(min(len(hits), per_term) for _, hits in found) <= in_all:
-        return [(term, len(hits), hits[-per_term:] if len(hits) > per_term else hits)
-                for term, hits in found]
+    found = []  # (term, its groups, how many of them come before `below`)
+    for term in dict.fromkeys(query):
+        hits = postings.get(term)
+        if hits:
+            n = len(hits) if below is None or hits[-1] < below else bisect.bisect_left(
+                hits, below)
+            if n:
+                found.append((term, hits, n))
+    if sum(min(n, per_term) for _, _, n in found) <= in_all:
+        return [(term, len(hits), hits[n - per_term:n] if n > per_term else hits[:n])
+                for term, hits, n in found]
     left, share = in_all, {}
-    for term, hits in sorted(found, key=lambda th: len(th[1])):  # stable: ties in query order
-        share[term] = take = min(len(hits), per_term, left)
+    for term, _, n in sorted(found, key=lambda t: len(t[1])):  # stable: ties in query order
+        share[term] = take = min(n, per_term, left)
         left -= take
-    return [(term, len(hits), hits[len(hits) - share[term]:]) for term, hits in found
+    return [(term, len(hits), hits[n - share[term]:n]) for term, hits, n in found
             if share[term]]
 
 
 def rank(idx: Index, query: str, eligible: Container[int],
-         common: Container[str] = ()) -> list[int]:
+         common: Container[str] = (), below: int | None = None) -> list[int]:
     """Eligible groups that share words with `query` (but the `common` ones) or sit next
-    to one that does, best first (ties: the newer)."""
-    direct = bm25(idx, query_terms(query, common), eligible)
+    to one that does, best first (ties: the newer); `below`: no eligible group is past
+    it (the postings scoring reads are those of the groups before it)."""
+    direct = bm25(idx, query_terms(query, common), eligible, below)
     best = direct if len(direct) <= MAX_SPREAD else dict(
         sorted(direct.items(), key=_SCORE_THEN_GROUP, reverse=True)[:MAX_SPREAD])
     # what the neighbours get, summed first: matches sit together (a topic), so most

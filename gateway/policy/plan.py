@@ -810,7 +810,9 @@ def fill_from_request(st: _State, text_of: Callable[[int], str]) -> None:
     mark = _mark(KEEP, "recalled")
     marked = _cache_marked_groups(conv, end) if conv.cache_marked else frozenset()
     eligible = _eligible(st, end, marked)  # dropped groups of complete turns
-    ranked = fill.rank(idx, query, eligible, common)
+    # the newest groups are kept: scoring reads no posting past the newest candidate
+    below = next((g for g in range(end - 1, -1, -1) if g in eligible), -1) + 1
+    ranked = fill.rank(idx, query, eligible, common, below)
     # then what was asked in the other dropped turns, newest first: a turn's opening
     # message is short and says what the turn was for (BFCL, 4k: +0.5 points of the
     # earlier user requests; LoCoMo: the ranked groups fill the budget before); walked
