@@ -348,10 +348,10 @@ def _plan_into(
         note_room = _note_room(d, rules, items, recalled) if d.mode == "on" else None
         bound = _bytes_bound(raw, d)
         exact = _exact_tokens(d, rules, prules.limits.max_tokens, overhead, bound)
+        if exact is not None:
+            bound = min(bound, exact)
         todo, spare = (_compactable(d, rules) if "compact_tools" in rules.memory.eviction.order
-                       and not fits_unplanned(d.conv, prules.limits,
-                                              bound if exact is None else min(bound, exact))
-                       else ({}, {}))
+                       and not fits_unplanned(d.conv, prules.limits, bound) else ({}, {}))
         # with tool results to compact, this plan only tells whether the history is cut
         # (the stages under the whole budget): it is planned again either way, so the
         # stable part's second pass and the fill are not run for it

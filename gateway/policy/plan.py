@@ -923,17 +923,16 @@ def plan(
     asked once the stages have dropped history, before the fill: what the caller will
     add to the request then (tokens, chars, messages: the carry note), which the fill
     leaves room for. `tokens_exact`, when given, is the total itself (what `tokens_of`
-    sums to over every message, plus `overhead_tokens`).
+    sums to over every message, plus `overhead_tokens`; `tokens_upper_bound` is then at
+    most that): the count a plan that keeps every message reports.
 
     A history that fits whole gets the same plan however that is known (by a bound, by
     the exact total, or by the stages keeping it all): every message kept as `fits`.
     """
     lim = rules.limits
     groups = conv.groups
-    bound = tokens_upper_bound if tokens_exact is None else (
-        tokens_exact if tokens_upper_bound is None else min(tokens_exact, tokens_upper_bound))
-    if fits_unplanned(conv, lim, bound):
-        return _fits_whole(conv, rules, tokens_exact if lim.max_tokens is not None else None)
+    if fits_unplanned(conv, lim, tokens_upper_bound):
+        return _fits_whole(conv, rules, tokens_exact)
     # with a recall share, once the stages drop under the whole budget: the stable part
     # gets what the share leaves, the fill the rest
     recall = text_of is not None and rules.recall_share > 0.0
