@@ -10,6 +10,8 @@ measured in the same run (issue #22 item 2).
     python tests/perf/bench_peers.py [--rounds 2] [--duration 4] [--warmup 1]
     MEMGATE_BIN=... MEMGATE_BASELINE_BIN=... python tests/perf/bench_peers.py \
         --targets direct,aiohttp-passthrough,memgate,memgate-base,litellm,headroom
+    python tests/perf/bench_peers.py --targets \
+        direct,aiohttp-passthrough,memgate,memgate-nofill,memgate-off,litellm
 
 It drives the shared harness (`../shared/bench/run.py`, imported, not copied or edited)
 with `--custom` targets and records, around each of the harness's wrk runs, which target,
@@ -19,6 +21,9 @@ harness's per-target log) is split per payload and per load level. Each round ru
 target; `--rounds` repeats the whole comparison (the machine is shared: the load average
 is recorded per target) and the report gives every round and the median of the rounds.
 Bounded in time (the harness's --max-minutes per round); every process is stopped by pid.
+The opt-in targets `memgate-nofill` (the budget-filling recall off) and `memgate-off`
+(eviction off) say, in the same run, what the fill costs a cut request and what the
+measuring alone (every request's [mem] line, eviction or not) costs.
 """
 
 from __future__ import annotations
@@ -60,10 +65,23 @@ def load_harness() -> ModuleType:
     return mod
 
 
-def memgate_config(where: Path, tenant: str | None = "bench") -> Path:
+# opt-in memgate targets (not in TARGETS; name them in --targets): the keyed config with
+# one thing changed, so that one run says what that thing costs a user beside the rest
+VARIANTS = {
+    # the budget-filling recall off (memory.eviction.recall_share: 0): what the fill costs
+    # a cut request
+    "memgate-nofill": "nofill",
+    # eviction and shadow off: every request is still measured, recorded and logged (the
+    # [mem] line), forwarded before it is measured; the floor of the eviction-on figures
+    "memgate-off": "off",
+}
+
+
+def memgate_config(where: Path, tenant: str | None = "bench", variant: str = "") -> Path:
     """The shipped rules/gateway.yaml with eviction on and JSON logs (its budget of 6,000
     tokens cuts the large, 1 MB and anthropic-medium payloads; small and medium fit
-    whole) and, with `tenant`, that tenant for callers without a usable key.
+    whole) and, with `tenant`, that tenant for callers without a usable key. `variant`:
+    one of VARIANTS' values, applied to that.
 
     The harness sends `Authorization: Bearer sk-fake`, a placeholder memgate takes for no
     key (shared by every client whose key is unset): such a caller has no tenant, so no
@@ -85,13 +103,23 @@ def memgate_config(where: Path, tenant: str | None = "bench") -> Path:
         tokens["models_file"] = str(src.parent / tokens["models_file"])
     data["logging"] = {"format": "json", "level": "info"}
     data.setdefault("tenants", {})["anonymous"] = tenant
-    path = where / ("memgate-evict.yaml" if tenant else "memgate-evict-nokey.yaml")
+    if variant == "nofill":
+        data["memory"]["eviction"]["recall_share"] = 0.0
+    elif variant == "off":
+        data["memory"]["enable_eviction"] = False
+        data["memory"]["shadow"] = False
+    elif variant:
+        raise ValueError(f"unknown variant {variant!r}")
+    path = where / ("memgate-evict" + ("" if tenant else "-nokey")
+                    + (f"-{variant}" if variant else "") + ".yaml")
     path.write_text(yaml.safe_dump(data), encoding="utf-8")
     return path
 
 
-def custom_targets(cfg: Path, nokey: Path) -> dict[str, str]:
-    """{name: command template} for the harness's --custom ({port}, {upstream})."""
+def custom_targets(cfg: Path, nokey: Path, variants: dict[str, Path] | None = None
+                   ) -> dict[str, str]:
+    """{name: command template} for the harness's --custom ({port}, {upstream});
+    `variants`: {target name: its config} (VARIANTS)."""
     def serve(config: Path, memgate: str = MEMGATE) -> str:
         return (f"MEMGATE_LOG_FORMAT=json exec {memgate} serve --config {config} "
                 f"--port {{port}} --upstream {{upstream}} --anthropic-upstream {{upstream}}")
@@ -114,8 +142,9 @@ def custom_targets(cfg: Path, nokey: Path) -> dict[str, str]:
           + os.environ.get("HEADROOM_FLAGS", "--disable-kompress --no-cache --no-rate-limit "
                            "--no-telemetry --no-http2 --no-subscription-tracking"))
     base = {"memgate-base": serve(cfg, BASELINE)} if BASELINE else {}
+    more = {name: serve(path) for name, path in (variants or {}).items()}
     return {"memgate": mg, "memgate-w2": mg + " --workers 2", "memgate-nokey": serve(nokey),
-            **base, "headroom": hr}
+            **base, **more, "headroom": hr}
 
 
 class Recorder:
@@ -188,11 +217,11 @@ def overheads(rec: Recorder, run_dir: Path, target: str) -> dict[str, dict[str, 
 
 
 def one_round(mod: ModuleType, k: int, a: argparse.Namespace, cfg: Path, nokey: Path,
-              out: Path) -> dict[str, Any]:
+              out: Path, variants: dict[str, Path]) -> dict[str, Any]:
     rec = Recorder(mod)
     run_dir, res_path = out / f"run{k}", out / f"round{k}.json"
     run_dir.mkdir(parents=True, exist_ok=True)
-    customs = custom_targets(cfg, nokey)
+    customs = custom_targets(cfg, nokey, variants)
     targets = [t for t in a.targets.split(",") if t]
     argv = ["run.py", "--targets", ",".join(targets), "--payloads", a.payloads,
             "--duration", str(a.duration), "--warmup", str(a.warmup),
@@ -334,6 +363,15 @@ def report(rounds: list[dict[str, Any]], targets: list[str], payloads: list[str]
         L.append(f"\n--workers 2 / 1 at medium, c=32: req/s {w2['rps'] / w1['rps']:.2f}x, "
                  f"CPU/request {w2['cpu'] / w1['cpu']:.2f}x (load generator and mock share "
                  "the 2 cores)")
+    if "litellm" in targets:  # each memgate target against LiteLLM, as the verdicts below
+        def times(t: str, p: str, key: str) -> float | None:
+            mg, le = med_tab.get((t, p), {}), med_tab.get(("litellm", p), {})
+            return le[key] / mg[key] if mg.get(key) and le.get(key) else None
+
+        for t in [x for x in targets if x.startswith("memgate")]:
+            L.append(f"{t} vs litellm, x lower added p50 latency / CPU per request: "
+                     + ", ".join(f"{p} {f(times(t, p, 'add50'), '.1f')} / "
+                                 f"{f(times(t, p, 'cpu'), '.1f')}" for p in payloads))
     L.append("\n#22 targets (memgate = eviction on, 1 worker; median of the rounds):")
     L += verdicts
     return "\n".join(L)
@@ -364,7 +402,9 @@ def main() -> int:
     else:
         mod = load_harness()
         cfg, nokey = memgate_config(out), memgate_config(out, None)
-        rounds = [one_round(mod, k, a, cfg, nokey, out) for k in range(a.rounds)]
+        variants = {t: memgate_config(out, variant=VARIANTS[t]) for t in targets
+                    if t in VARIANTS}
+        rounds = [one_round(mod, k, a, cfg, nokey, out, variants) for k in range(a.rounds)]
     text = report(rounds, targets, payloads)
     (out / "report.txt").write_text(text + "\n")
     print("\n" + text)
