@@ -328,7 +328,7 @@ def report(rounds: list[dict[str, Any]], targets: list[str], payloads: list[str]
             c1 = [r["overhead_ms"].get(t, {}).get(p, {}).get("c1", {}) for r in rounds]
             cn = [r["overhead_ms"].get(t, {}).get(p, {}).get("cN", {}) for r in rounds]
             o50, o99 = med([c.get("p50") for c in c1]), med([c.get("p99") for c in c1])
-            L.append(f"  {t:<11} {p:<17} {f(o50, '.3f')} / {f(o99, '.3f')} "
+            L.append(f"  {t:<14} {p:<17} {f(o50, '.3f')} / {f(o99, '.3f')} "
                      f"({sum(c.get('n', 0) for c in c1)}) | "
                      f"{f(med([c.get('p50') for c in cn]), '.3f')} / "
                      f"{f(med([c.get('p99') for c in cn]), '.3f')} "
@@ -359,7 +359,7 @@ def report(rounds: list[dict[str, Any]], targets: list[str], payloads: list[str]
             verdicts.append(mark(f">= 5x lower CPU/request than {peer} ({p})", ca,
                                  ca is not None and ca >= 5))
     w1, w2 = med_tab.get(("memgate", "medium"), {}), med_tab.get(("memgate-w2", "medium"), {})
-    if w1.get("rps") and w2.get("rps"):
+    if w1.get("rps") and w2.get("rps") and w1.get("cpu") and w2.get("cpu"):
         L.append(f"\n--workers 2 / 1 at medium, c=32: req/s {w2['rps'] / w1['rps']:.2f}x, "
                  f"CPU/request {w2['cpu'] / w1['cpu']:.2f}x (load generator and mock share "
                  "the 2 cores)")
