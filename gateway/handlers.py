@@ -678,7 +678,6 @@ async def _measure_session(
         except BackendDown:  # measured as a first request; what needs the record is unknown
             state_ok = False
     known, known_tokens = known_prefix(prev, msgs)
-    grown = prev is not None and known == prev.n_messages
     if d.uncounted_chars() > OFFLOAD_CHARS and "thread" not in state.rules.shortcuts_off:
         await d.count_off_loop(list(range(known, len(msgs))), state.counting)
     if d.view is not None and d.view.known >= known:  # the history cache holds the prefix
@@ -691,7 +690,7 @@ async def _measure_session(
     kept: Sequence[int] = _stable(d.forwarded(), d) if on else range(len(msgs))
     cut = on and d.plan is not None and bool(d.plan.dropped)
     if on and state_ok:
-        status, same = compare_cut(prev, grown, kept, cut)
+        status, same = compare_cut(prev, known, kept, cut)
         fields.update(cut=status, prefix_tokens=sum(d.message_tokens(i) for i in kept[:same]))
     elif on:
         fields["cut"] = "unknown"

@@ -246,20 +246,35 @@ def known_prefix(prev: SessionRecord | None, messages: Sequence[Any]) -> tuple[i
 
 
 def compare_cut(
-    prev: SessionRecord | None, grown: bool, kept: Sequence[int], cut: bool
+    prev: SessionRecord | None, known: int, kept: Sequence[int], cut: bool
 ) -> tuple[str, int]:
     """`cut=` value (none | kept | moved) and how many forwarded messages at the start
     are the same as in the previous forwarded request of this session (the record's
-    indices are runs)."""
+    indices are runs). `known`: how many of this request's first messages are the
+    previous request's (known_prefix): all of them when the client appended, all but
+    the last when it replaced the last one (a retry, an edited question, a regenerate),
+    whose forwarded prefix is then compared up to the replaced message."""
     same = 0
-    if prev is not None and grown:
-        # the history grew by appending: index i is the same message as last time
-        same = _common_start(prev.kept, kept)
+    before: tuple[int, ...] = ()  # the previous request's forwarded runs compared
+    if prev is not None and known:
+        # index i < known is the same message as last time
+        before = prev.kept if known >= prev.n_messages else _below(prev.kept, known)
+        same = _common_start(before, kept)
     if not cut:
         return "none", same
-    if prev is not None and prev.cut and same == runs_len(prev.kept):
+    if prev is not None and prev.cut and known and same == runs_len(before):
         return "kept", same
     return "moved", same
+
+
+def _below(runs_: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The runs of the indices under n."""
+    out: list[int] = []
+    for start, stop in zip(runs_[::2], runs_[1::2]):
+        if start >= n:
+            break
+        out += (start, min(stop, n))
+    return tuple(out)
 
 
 def _common_start(runs_: tuple[int, ...], kept: Sequence[int]) -> int:

@@ -190,6 +190,32 @@ async def test_est_tokens_reused_when_the_last_message_is_replaced(
                                                tok).est_tokens()
 
 
+async def test_an_edited_last_message_compares_the_prefix_before_it(
+    gateway: GatewayFactory, upstream: Upstream
+) -> None:
+    """A regenerate or an edited question (the last message replaced) that forwards the
+    same prefix before it says cut=kept with that prefix's tokens (it said cut=moved,
+    prefix_tokens=0: only a history that grew was compared)."""
+    gw = await gateway(memory={"enable_eviction": True, "budget": BUDGET,
+                               "eviction": {"recall_share": 0.0}})
+    body = growing_requests()[-1]
+    last = body["messages"][-1]
+    text = last["content"]
+    edited = {**body, "messages": [*body["messages"][:-1],  # the same size, one letter else
+                                   {**last, "content": text[:-1] + ("?" if text[-1] != "?"
+                                                                    else "!")}]}
+    await send(gw.url, body, session="s-edit")
+    await send(gw.url, edited, session="s-edit")
+    first, second = gw.mem_events()
+    assert first["cut"] == "moved" and int(first["dropped"]) > 0
+    sent = [orjson.loads(r["raw"])["messages"] for r in upstream.received]
+    assert sent[0][:-1] == sent[1][:-1] and sent[0][-1] != sent[1][-1]
+    d = decide(orjson.dumps(edited), edited, gw.state.rules, Tokenizers(10_000))
+    kept = d.forwarded()
+    assert second["cut"] == "kept"
+    assert int(second["prefix_tokens"]) == sum(d.message_tokens(i) for i in kept[:-1]) > 0
+
+
 async def test_the_same_body_again_is_cut_kept_though_the_fill_recalled(
     gateway: GatewayFactory, upstream: Upstream
 ) -> None:
@@ -241,4 +267,21 @@ def test_runs_hold_the_indices_and_compare_as_they_would(prev: list[int],
     same = next((k for k, (a, b) in enumerate(zip(prev, kept)) if a != b),
                 min(len(prev), len(kept)))
     status = "kept" if same == len(prev) else "moved"
-    assert compare_cut(rec, True, kept, True) == (status, same)
+    assert compare_cut(rec, 61, kept, True) == (status, same)
+
+
+@given(prev=st.lists(st.integers(0, 60), max_size=40, unique=True).map(sorted),
+       kept=st.lists(st.integers(0, 60), max_size=40, unique=True).map(sorted),
+       known=st.integers(0, 61))
+def test_only_the_known_messages_are_compared(prev: list[int], kept: list[int],
+                                              known: int) -> None:
+    """When only this request's first `known` messages are the previous request's (its
+    last message replaced: known_prefix), the forwarded indices under `known` are what
+    is compared; none known, nothing is the same."""
+    rec = SessionRecord(kept=runs(prev), n_messages=61, last=b"", cut=True, msg_tokens=0)
+    before = [i for i in prev if i < known]
+    same = next((k for k, (a, b) in enumerate(zip(before, kept)) if a != b),
+                min(len(before), len(kept)))
+    status = "kept" if known and same == len(before) else "moved"
+    assert compare_cut(rec, known, kept, True) == (status, same)
+    assert compare_cut(rec, known, kept, False) == ("none", same)
