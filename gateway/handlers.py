@@ -665,9 +665,10 @@ async def _measure_session(
 ) -> dict[str, Any]:
     """[mem] fields for a parsed history, reusing the session's previous request.
 
-    A client resends its history with new messages appended: the tokens of what
-    was seen before are not summed again, and the forwarded prefix is compared
-    with last time (cut=none|kept|moved, prefix_tokens).
+    A client resends its history with new messages appended, or with its last message
+    replaced (a retry, an edited question): the tokens of what was seen before are not
+    summed again, and the forwarded prefix is compared with last time up to there
+    (cut=none|kept|moved, prefix_tokens).
     """
     msgs = d.messages
     state_ok = True

@@ -272,16 +272,17 @@ def test_runs_hold_the_indices_and_compare_as_they_would(prev: list[int],
 
 @given(prev=st.lists(st.integers(0, 60), max_size=40, unique=True).map(sorted),
        kept=st.lists(st.integers(0, 60), max_size=40, unique=True).map(sorted),
-       known=st.integers(0, 61))
+       known=st.integers(0, 61), was_cut=st.booleans())
 def test_only_the_known_messages_are_compared(prev: list[int], kept: list[int],
-                                              known: int) -> None:
+                                              known: int, was_cut: bool) -> None:
     """When only this request's first `known` messages are the previous request's (its
     last message replaced: known_prefix), the forwarded indices under `known` are what
-    is compared; none known, nothing is the same."""
-    rec = SessionRecord(kept=runs(prev), n_messages=61, last=b"", cut=True, msg_tokens=0)
+    is compared; none known, nothing is the same; a cut after an uncut request moved."""
+    rec = SessionRecord(kept=runs(prev), n_messages=61, last=b"", cut=was_cut,
+                        msg_tokens=0)
     before = [i for i in prev if i < known]
     same = next((k for k, (a, b) in enumerate(zip(before, kept)) if a != b),
                 min(len(before), len(kept)))
-    status = "kept" if known and same == len(before) else "moved"
+    status = "kept" if was_cut and known and same == len(before) else "moved"
     assert compare_cut(rec, known, kept, True) == (status, same)
     assert compare_cut(rec, known, kept, False) == ("none", same)
