@@ -258,7 +258,7 @@ def compare_cut(
     before: tuple[int, ...] = ()  # the previous request's forwarded runs compared
     if prev is not None and known:
         # index i < known is the same message as last time
-        before = prev.kept if known >= prev.n_messages else _below(prev.kept, known)
+        before = _below(prev.kept, known)
         same = _common_start(before, kept)
     if not cut:
         return "none", same
