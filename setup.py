@@ -2,7 +2,7 @@
 
 The directories stay where the design card puts them (top level, read in place by a
 checkout or an editable install); a non-editable install has no checkout, so the
-build copies them into the package (gateway/resources.py looks there first).
+build copies them into the package (gateway/config/resources.py looks there first).
 Everything else is declared in pyproject.toml.
 """
 

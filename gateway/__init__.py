@@ -2,10 +2,10 @@
 
 __version__ = "0.1.0"  # before the imports: the CLI (imported by them) reads it
 
-from .app import create_app
-from .chat import Decision, decide
-from .policy import Limits, Plan, PlanRules, plan
-from .rules import Rules, load_rules
+from gateway.config.rules import Rules, load_rules
+from gateway.decide.chat import Decision, decide
+from gateway.policy import Limits, Plan, PlanRules, plan
+from gateway.proxy.app import create_app
 
 __all__ = [
     "Decision",

@@ -21,10 +21,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from hypothesis import HealthCheck, settings
 
-from gateway import logging as mglog
-from gateway.app import create_app
-from gateway.gwstate import STATE
-from gateway.rules import load_rules
+from gateway.config.rules import load_rules
+from gateway.observe import logging as mglog
+from gateway.proxy.app import create_app
+from gateway.proxy.appstate import STATE
 
 # CI runs a fixed, reproducible set of examples; HYPOTHESIS_PROFILE=thorough explores.
 settings.register_profile(

@@ -21,9 +21,9 @@ import aiohttp
 import pytest
 import yaml
 
-from gateway.rules import build_rules, describe
-
-from .conftest import ROOT, GatewayFactory
+from gateway.config.effective import effective_config
+from gateway.config.rules import build_rules
+from tests.conftest import ROOT, GatewayFactory
 
 DEPLOY = ROOT / "deploy"
 K8S = sorted((DEPLOY / "k8s").glob("*.yaml"))
@@ -327,7 +327,7 @@ def test_dockerignore_matcher_follows_docker() -> None:
 def effective(path: Path) -> dict[str, Any]:
     text = path.read_text().replace("/app/rules/", f"{ROOT}/rules/")
     rules = build_rules(yaml.safe_load(text), str(path), base_dir=path.parent)
-    out = describe(rules)
+    out = effective_config(rules)
     for volatile in ("source", "models_path", "carry_path"):
         out.pop(volatile, None)
     return out
@@ -363,9 +363,9 @@ async def deploy_gateway(aiohttp_server: Any, tmp_path: Path, env: dict[str, str
     """The deploy config (its /app/rules paths pointed at this checkout) served."""
     import io
 
-    from gateway import logging as mglog
-    from gateway.app import create_app
-    from gateway.rules import load_rules
+    from gateway.config.rules import load_rules
+    from gateway.observe import logging as mglog
+    from gateway.proxy.app import create_app
 
     cfg = tmp_path / "gateway.yaml"
     cfg.write_text((DEPLOY / "config" / "gateway.yaml").read_text().replace(
@@ -388,7 +388,7 @@ async def test_readyz_of_the_deploy_config_reflects_redis_and_postgres(
     PostgreSQL unreachable it says `degraded` and which backend is down and why (and stays
     200: forwarding works, and a shared outage must not empty the Service); with both up,
     `ready`, the store opened by the probe itself."""
-    from .conftest import PG_DSN, pg_schema
+    from tests.conftest import PG_DSN, pg_schema
 
     dead = {"MEMGATE_UPSTREAM": upstream.url, "MEMGATE_ANTHROPIC_UPSTREAM": upstream.url,
             "MEMGATE_REDIS_URL": "redis://127.0.0.1:1/0",

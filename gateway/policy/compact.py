@@ -25,6 +25,8 @@ from typing import Any
 
 import orjson
 
+from gateway.config.schema import CompactRules
+
 MARK = "[memgate: "
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 _NUMBERS = frozenset({int, float})
@@ -35,19 +37,6 @@ _ERROR = re.compile("|".join(_WORDS), re.IGNORECASE)
 _JSON_WS = re.compile(r'("(?:[^"\\]|\\.)*")|[ \t\n\r]+', re.DOTALL)
 # of a JSON text: its keys (a string and a colon) and its numbers as spelled, in order
 _JSON_KEYS_NUMBERS = re.compile(r'"(?:[^"\\]|\\.)*"(\s*:)?|(-?[0-9][0-9.eE+-]*)', re.DOTALL)
-
-
-@dataclass(frozen=True, slots=True)
-class CompactRules:
-    min_chars: int = 2000  # results shorter than this stay as they are
-    keep_recent: int = 1  # the newest N tool results are never compacted
-    exclude_tools: tuple[str, ...] = ()
-    target_chars: int = 1200  # a lossless form up to this size is enough
-    head_lines: int = 12
-    tail_lines: int = 6
-    error_lines: int = 12  # at most this many error/warning lines from the middle
-    max_line: int = 120  # characters kept of one long line (or JSON string): head + tail
-    max_items: int = 8  # elements of a JSON list / members of an object kept
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,8 @@ from collections import Counter
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..conversation import Conversation, Group
-from ..store.model import index_text
+from gateway.measure.conversation import Conversation, Group
+from gateway.measure.terms import index_text
 
 K1 = 1.2  # term-frequency saturation (the usual Okapi values)
 B = 0.75  # length normalisation

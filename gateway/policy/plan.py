@@ -15,8 +15,8 @@ from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..conversation import Conversation, Group, is_active
-from . import fill
+from gateway.measure.conversation import Conversation, Group, is_active
+from gateway.policy import fill
 
 KEEP = "keep"
 DROP = "drop"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .anthropic_messages import ANTHROPIC_MESSAGES
-from .base import Wire
-from .openai_chat import OPENAI_CHAT
-from .openai_responses import OPENAI_RESPONSES
+from gateway.wire.anthropic_messages import ANTHROPIC_MESSAGES
+from gateway.wire.base import Wire
+from gateway.wire.openai_chat import OPENAI_CHAT
+from gateway.wire.openai_responses import OPENAI_RESPONSES
 
 WIRES: dict[str, Wire] = {
     "chat": OPENAI_CHAT,

@@ -15,8 +15,8 @@ from typing import Any
 
 import orjson
 
-from .. import media
-from ..conversation import (
+from gateway.measure import media
+from gateway.measure.conversation import (
     Conversation,
     Group,
     Measure,
@@ -28,11 +28,11 @@ from ..conversation import (
     message_pin,
     str_fields,
 )
-from ..jsonbytes import Edit, elements, members
-from ..media import Piece
-from ..policy.compact import ToolResult
-from ..tokens import PER_MESSAGE, REPLY_PRIMING, TokenCounter
-from .base import Wire, json_text
+from gateway.measure.media import Piece
+from gateway.measure.tokens import PER_MESSAGE, REPLY_PRIMING, TokenCounter
+from gateway.policy.compact import ToolResult
+from gateway.wire.base import Wire, json_text
+from gateway.wire.jsonbytes import Edit, elements, members
 
 ROLES = ("user", "assistant")
 

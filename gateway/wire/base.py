@@ -7,11 +7,11 @@ from typing import Any
 
 import orjson
 
-from ..conversation import META_KEY, Conversation
-from ..errors import ApiFlavor
-from ..jsonbytes import Edit, Span, apply, cut, elements, members, value_span, ws
-from ..policy.compact import ToolResult
-from ..tokens import TokenCounter
+from gateway.errors import ApiFlavor
+from gateway.measure.conversation import META_KEY, Conversation
+from gateway.measure.tokens import TokenCounter
+from gateway.policy.compact import ToolResult
+from gateway.wire.jsonbytes import Edit, Span, apply, cut, elements, members, value_span, ws
 
 __all__ = ["META_KEY", "Wire", "json_text", "text_of"]
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import orjson
 
-from .. import media
-from ..conversation import (
+from gateway.measure import media
+from gateway.measure.conversation import (
     Conversation,
     Group,
     Measure,
@@ -20,10 +20,10 @@ from ..conversation import (
     merge_into,
     message_pin,
 )
-from ..media import Piece
-from ..policy.compact import ToolResult
-from ..tokens import PER_MESSAGE, PER_NAME, REPLY_PRIMING, TokenCounter
-from .base import Wire
+from gateway.measure.media import Piece
+from gateway.measure.tokens import PER_MESSAGE, PER_NAME, REPLY_PRIMING, TokenCounter
+from gateway.policy.compact import ToolResult
+from gateway.wire.base import Wire
 
 FIXED_ROLES = frozenset(("system", "developer"))
 

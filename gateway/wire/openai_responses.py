@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from .. import media
-from ..conversation import (
+from gateway.measure import media
+from gateway.measure.conversation import (
     Conversation,
     Group,
     Measure,
@@ -38,11 +38,11 @@ from ..conversation import (
     message_pin,
     str_fields,
 )
-from ..media import Piece
-from ..policy.compact import ToolResult
-from ..tokens import PER_MESSAGE, REPLY_PRIMING, TokenCounter
-from .base import Wire, json_text, text_of
-from .openai_chat import content_pieces, part_pieces
+from gateway.measure.media import Piece
+from gateway.measure.tokens import PER_MESSAGE, REPLY_PRIMING, TokenCounter
+from gateway.policy.compact import ToolResult
+from gateway.wire.base import Wire, json_text, text_of
+from gateway.wire.openai_chat import content_pieces, part_pieces
 
 # client-run tools: a call (with its `call_id`) the client answers with an output item;
 # a type this list does not know yet is one too when it is spelled so (`*_call` with a

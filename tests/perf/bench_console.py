@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gateway import SIZES, history  # noqa: E402
 
-from gateway import console_view as view  # noqa: E402
-from gateway.chat import decide  # noqa: E402
-from gateway.console import Console  # noqa: E402
-from gateway.rules import ConsoleRules, build_rules  # noqa: E402
-from gateway.tokens import Tokenizers  # noqa: E402
+from gateway.config.rules import ConsoleRules, build_rules  # noqa: E402
+from gateway.decide.chat import decide  # noqa: E402
+from gateway.measure.tokens import Tokenizers  # noqa: E402
+from gateway.observe import console_view as view  # noqa: E402
+from gateway.observe.console_log import Console  # noqa: E402
 
 
 def per_call(fn: object, n: int) -> float:

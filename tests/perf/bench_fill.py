@@ -27,10 +27,10 @@ from typing import Any
 
 import orjson
 
-from gateway.chat import decide
-from gateway.history import HistoryCache
-from gateway.rules import build_rules
-from gateway.tokens import Tokenizers
+from gateway.config.rules import build_rules
+from gateway.decide.chat import decide
+from gateway.decide.history import HistoryCache
+from gateway.measure.tokens import Tokenizers
 
 if __package__ in (None, ""):  # run as a file (python tests/perf/X.py): the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # makes tests importable

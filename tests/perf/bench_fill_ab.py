@@ -28,10 +28,10 @@ CHILD = r'''
 import json, statistics, sys, time
 import orjson, yaml
 from tests.perf.bench_plan import ROOT, history
-from gateway.chat import decide
-from gateway.history import HistoryCache
-from gateway.rules import apply_env, build_rules
-from gateway.tokens import Tokenizers
+from gateway.decide.chat import decide
+from gateway.decide.history import HistoryCache
+from gateway.config.rules import apply_env, build_rules
+from gateway.measure.tokens import Tokenizers
 out = {}
 off, unique = sys.argv[3], sys.argv[4] == "1"
 for n in map(int, sys.argv[1].split(",")):

@@ -22,11 +22,10 @@ from typing import Any
 
 import orjson
 
-from gateway.conversation import META_KEY
+from gateway.measure.conversation import META_KEY
 from gateway.wire import sniff
 from gateway.wire.base import Wire
-
-from .bench_plan import history
+from tests.bench_plan import history
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ("anthropic_long_tools", "chat_long_tools", "responses_long_tools",

@@ -34,10 +34,10 @@ from typing import Any
 
 import orjson
 
-from gateway.chat import decide
-from gateway.history import HistoryCache
-from gateway.rules import build_rules
-from gateway.tokens import Tokenizers
+from gateway.config.rules import build_rules
+from gateway.decide.chat import decide
+from gateway.decide.history import HistoryCache
+from gateway.measure.tokens import Tokenizers
 
 ROOT = Path(__file__).resolve().parents[2]
 ZH = "请检查 /data/orders 目录下上周的数据，按状态汇总订单，看看有没有异常的分区。"
@@ -146,7 +146,7 @@ PLAN_SHORTCUTS = ("planpass", "plancache", "recallscan", "toolscan")
 def shipped(off: str = "") -> Any:
     import yaml
 
-    from gateway.rules import apply_env
+    from gateway.config.rules import apply_env
 
     cfg = yaml.safe_load((ROOT / "rules/gateway.yaml").read_text(encoding="utf-8"))
     cfg["memory"]["enable_eviction"] = True  # the shipped config, eviction on

@@ -80,9 +80,9 @@ def per_span(port: int, n: int = 20_000) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from gateway.otel import Tracing
-    from gateway.rules import Upstream
-    from gateway.upstream import Relayed
+    from gateway.config.rules import Upstream
+    from gateway.observe.otel import Tracing
+    from gateway.observe.relayed import Relayed
     from gateway.wire.openai_chat import OPENAI_CHAT
 
     base = f"http://127.0.0.1:{port}"

@@ -29,12 +29,12 @@ import orjson
 import yaml
 from aiohttp.test_utils import TestServer
 
-from gateway import handlers
-from gateway import logging as mglog
-from gateway.app import create_app
-from gateway.mock_upstream import create_mock_app
-from gateway.rules import load_rules
-from gateway.usage import UsageReader
+from gateway.cli.mock_upstream import create_mock_app
+from gateway.config.rules import load_rules
+from gateway.observe import logging as mglog
+from gateway.observe.usage import UsageReader
+from gateway.proxy import handlers
+from gateway.proxy.app import create_app
 
 ROOT = Path(__file__).resolve().parents[2]
 MSGS = [{"role": "system", "content": "You are terse."},

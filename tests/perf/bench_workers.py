@@ -129,7 +129,7 @@ def main() -> None:
         # one process writing its metrics as a worker does (shared files): what of a worker's
         # CPU per request is the multiprocess metrics, what is running two at once
         sys.path.insert(0, str(root))
-        from gateway.workers import metrics_dir
+        from gateway.proxy.workers import metrics_dir
 
         mp = metrics_dir()  # where --workers puts them
         port = free_port()

@@ -30,9 +30,9 @@ from typing import Any
 
 import orjson
 
-from gateway.chat import Decision, current_turn_start, decide
-from gateway.rules import build_rules
-from gateway.tokens import Tokenizers
+from gateway.config.rules import build_rules
+from gateway.decide.chat import Decision, current_turn_start, decide
+from gateway.measure.tokens import Tokenizers
 from tests.perf.shared_data import default_data_dir, require
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -38,10 +38,10 @@ from typing import Any
 
 import orjson
 
-from gateway.chat import current_turn_start, decide
+from gateway.config.rules import SECTIONS, build_rules
+from gateway.decide.chat import current_turn_start, decide
+from gateway.measure.tokens import Tokenizers
 from gateway.policy.compact import MARK
-from gateway.rules import SECTIONS, build_rules
-from gateway.tokens import Tokenizers
 from gateway.wire.openai_chat import OPENAI_CHAT
 
 if __package__ in (None, ""):  # run as a file (python tests/perf/X.py): the checkout

@@ -44,11 +44,11 @@ from typing import Any
 import orjson
 import yaml
 
-from gateway.chat import decide
-from gateway.recall import recall
-from gateway.rules import Rules, build_rules
-from gateway.store import StoreRules
-from gateway.tokens import Tokenizers
+from gateway.config.rules import Rules, build_rules
+from gateway.config.schema import StoreRules
+from gateway.decide.chat import decide
+from gateway.measure.tokens import Tokenizers
+from gateway.memory.recall import recall
 
 if __package__ in (None, ""):  # run as a file (python tests/perf/X.py): the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # makes tests importable

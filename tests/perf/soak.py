@@ -136,8 +136,8 @@ def main() -> None:
         asyncio.run(run(url, 3, 10))  # warm-up
         print(f"start: gateway RSS {rss_mb(gw.p.pid):.1f} MB, open fds {fds(gw.p.pid)}")
         if args.requests:
-            from gateway.resources import default_config
-            from gateway.rules import load_rules
+            from gateway.config.resources import default_config
+            from gateway.config.rules import load_rules
 
             cfg = default_config(None, os.environ)
             r = load_rules(cfg, os.environ)

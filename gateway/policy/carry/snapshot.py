@@ -1,0 +1,508 @@
+"""Per-turn fields (MemT) and the minimal snapshot later turns still need.
+
+A deterministic fold over the visible history, message by message: extract
+refs, resolve deictic phrases ("刚才那个路径", "the previous one") against refs
+seen before, follow the task state, record a confirmed constraint when the user
+answers the assistant's question. Then the drop conditions remove what no later
+turn needs. Pure: no I/O; what was skipped is returned for the caller to log.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import islice
+from operator import attrgetter
+from typing import Any, NamedTuple
+
+from gateway.config.carry import CarryPatterns, Deictic
+from gateway.config.schema import CarryRules
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message as the carry-over sees it."""
+
+    turn: int
+    role: str  # user | assistant | tool
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Ref:
+    """Immutable: a mention replaces it, so a checkpoint copies references, not refs."""
+
+    type: str
+    value: str
+    first_turn: int
+    last_turn: int
+    seq: int  # the fold's mention count when last mentioned: the mention order
+
+
+@dataclass(slots=True)
+class Snapshot:
+    fields: dict[str, Any] = field(default_factory=dict)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (field or item, reason)
+
+    def get(self, dotted: str) -> Any:
+        """`resolved_refs.刚才那个路径` style lookup; None when absent."""
+        if dotted in self.fields:
+            return self.fields[dotted]
+        head, _, rest = dotted.partition(".")
+        node = self.fields.get(head)
+        return node.get(rest) if isinstance(node, dict) and rest else None
+
+    def __contains__(self, dotted: str) -> bool:
+        return self.get(dotted) is not None
+
+    @property
+    def count(self) -> int:
+        return len(self.fields)
+
+
+def _sentences_with_question(text: str) -> str:
+    if "?" not in text and "？" not in text:
+        return text.strip()[:160]
+    parts = re.split(r"(?<=[。！？!?\n])|(?<=\.)\s+", text)
+    asked = [p.strip() for p in parts if p.strip().endswith(("？", "?"))]
+    return asked[-1] if asked else text.strip()[:160]
+
+
+_CLAUSE_END = re.compile(r"[，,。；;.!！]")
+_CLAUSES = re.compile(r"[，,；;、]")
+
+
+def _asked(question: str) -> str | None:
+    """What a question asks, to tell it asked again: its last clause, spaces gone ("确认
+    按状态分组输出 CSV，是否排除已取消订单？" and "是否排除已取消订单？" ask one thing);
+    None when that is too short to tell one question from another ("ok?")."""
+    last = "".join(_CLAUSES.split(question)[-1].split())
+    return last if len(last) >= 6 else None
+_NOT_SPACE = re.compile(r"\S")
+_LINE_END = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")  # str.splitlines'
+
+
+def _first_line(text: str, limit: int | None = None) -> str | None:
+    """text.strip().splitlines()[0][:limit] (None for a blank text) without copying or
+    splitting the rest of a long tool result, nor searching a long first line past
+    `limit`."""
+    start = _NOT_SPACE.search(text)
+    if start is None:
+        return None
+    a = start.start()
+    if limit:
+        head = text[a:a + limit]
+        if _LINE_END.search(head) is None and not head[-1].isspace():
+            # the first line runs to `limit` at least, and rstrip() cannot shorten it
+            # below that: text[a] is not a space and neither is head's last character
+            return head
+    end = _LINE_END.search(text, a)
+    if end is None or _NOT_SPACE.search(text, end.start()) is None:  # one line, once stripped
+        line = text[a:].rstrip()
+    else:
+        line = text[a:end.start()]
+    return line if limit is None else line[:limit]
+
+
+def _first_clause(text: str) -> str:
+    """The text up to its first clause mark, stripped, at most 120 characters."""
+    m = _CLAUSE_END.search(text)
+    return (text[: m.start()] if m else text).strip()[:120]
+
+
+def _refs_in(p: CarryPatterns, text: str, mask: int) -> list[tuple[str, str]]:
+    """(type, value) in text order; a span already taken by an earlier pattern (a path)
+    is not matched again by a later one (a service name inside that path). `mask`:
+    the patterns that may match, from `p.prefilter.scan(text)`."""
+    taken: list[tuple[int, int]] = []
+    found: list[tuple[int, str, str]] = []
+    for rtype, pat, bit in p.ref_bits:
+        if not mask & bit:  # none of its fixed strings is in the text
+            continue
+        for mt in pat.finditer(text):
+            a, b = mt.span()
+            if any(a < y and x < b for x, y in taken):
+                continue
+            taken.append((a, b))
+            found.append((a, rtype, mt.group(0)))
+    return [(t, v) for _, t, v in sorted(found)]
+
+
+class _Extract(NamedTuple):
+    """What the patterns find in one message (cached: a history is re-read every request).
+    A named tuple: built for every message of a cold history, ~3x cheaper than a frozen
+    dataclass."""
+
+    small_talk: bool
+    deictics: tuple[tuple[int, str], ...]  # (index in patterns.deictics, phrase)
+    refs: tuple[tuple[str, str], ...]
+    create: bool
+    ask: bool
+    close: bool
+    output: bool
+    question: str
+    first_clause: str
+
+
+_PATTERNS: list[CarryPatterns] = []  # the patterns the extraction cache was filled with
+
+
+def _extract(p: CarryPatterns, role: str, text: str) -> _Extract:
+    if not _PATTERNS or _PATTERNS[0] is not p:  # a reload: start a fresh cache
+        _PATTERNS[:] = [p]
+        _extract_cached.cache_clear()
+    return _extract_cached(role, text)
+
+
+@functools.lru_cache(maxsize=50_000)
+def _extract_cached(role: str, text: str) -> _Extract:
+    p = _PATTERNS[0]
+    mask = p.prefilter.scan(text)  # which patterns' fixed strings the text contains
+    bits = p.bits
+    refs = tuple(_refs_in(p, text, mask)) if mask & bits["refs"] else ()
+    if role != "user":
+        return _Extract(
+            small_talk=False, deictics=(), refs=refs, create=False,
+            ask=bool(mask & bits["ask"]) and p.ask.search(text) is not None,
+            close=bool(mask & bits["close"]) and p.close.search(text) is not None,
+            output=False, question=_sentences_with_question(text), first_clause="")
+    return _Extract(
+        small_talk=p.small_talk.match(text) is not None,
+        # a phrase the pattern matches in any case is one phrase ("It" at a sentence's
+        # start is "it"): one entry in the note, not one per spelling
+        deictics=tuple((k, m.group(0).lower() if pat.flags & re.IGNORECASE else m.group(0))
+                       for k, pat, bit in p.deictic_bits if mask & bit
+                       for m in pat.finditer(text)) if mask & bits["deictics"] else (),
+        refs=refs,
+        create=bool(mask & bits["create"]) and p.create.search(text) is not None,
+        ask=False, close=False,
+        output=bool(mask & bits["output_verbs"]) and p.output_verbs.search(text) is not None,
+        question="", first_clause=_first_clause(text))
+
+
+class Fold:
+    """The fold's state after some prefix of a history; `copy()` checkpoints it so a
+    growing session folds only what was appended since the last request."""
+
+    def __init__(self, p: CarryPatterns) -> None:
+        self.p = p
+        # (type, value) -> ref, in mention order (a mention moves it to the end): the
+        # turns of the last mentions ascend, so the refs still fresh are a suffix
+        self.refs: dict[tuple[str, str], _Ref] = {}
+        # the same order per ref type, the types themselves by their latest mention: a
+        # deictic looks at the last one or two refs of a type, not at every ref seen so far
+        self.by_type: dict[str, dict[tuple[str, str], None]] = {}
+        self.mentions = 0
+        self.resolved: dict[str, str] = {}
+        # ordered sets: a long session repeats the same phrases and values
+        self.ambiguous: dict[str, None] = {}
+        self.dropped_candidates: dict[str, None] = {}
+        self.task_state: str | None = None
+        self.pending_question: str | None = None
+        self.constraints: list[str] = []
+        self.output_file: str | None = None
+        self.tool_results: list[str] = []
+        self.skipped: list[tuple[str, str]] = []
+
+    def copy(self) -> Fold:
+        c = Fold.__new__(Fold)
+        c.p = self.p
+        c.refs = dict(self.refs)
+        c.by_type = {t: dict(keys) for t, keys in self.by_type.items()}
+        c.mentions = self.mentions
+        c.resolved = dict(self.resolved)
+        c.ambiguous = dict(self.ambiguous)
+        c.dropped_candidates = dict(self.dropped_candidates)
+        c.task_state = self.task_state
+        c.pending_question = self.pending_question
+        c.constraints = list(self.constraints)
+        c.output_file = self.output_file
+        c.tool_results = list(self.tool_results)
+        c.skipped = list(self.skipped)
+        return c
+
+    def _mention(self, rtype: str, value: str, turn: int) -> None:
+        key = (rtype, value)
+        ref = self.refs.pop(key, None)
+        self.mentions += 1
+        self.refs[key] = _Ref(rtype, value, turn if ref is None else ref.first_turn, turn,
+                              self.mentions)
+        same = self.by_type.pop(rtype, None)  # re-added last: the latest mentioned type
+        if same is None:
+            same = {}
+        else:
+            same.pop(key, None)
+        same[key] = None
+        self.by_type[rtype] = same
+
+    def _forget(self, ref: _Ref) -> None:
+        key = (ref.type, ref.value)
+        self.refs.pop(key, None)
+        same = self.by_type.get(ref.type)
+        if same is not None:
+            same.pop(key, None)
+            if not same:
+                del self.by_type[ref.type]
+
+    def prune(self, rules: CarryRules, turn: int) -> None:
+        """Forget the refs that no snapshot from `turn` on can carry and no deictic can
+        reach: mentioned more than ref_ttl_turns turns before it, not among the last two
+        of their type, not what a resolved phrase or the output file names. (Resolving
+        picks among the last two of a type and mentions its choice again; a forgotten
+        ref mentioned again comes back as it would have been.) A session's checkpoint
+        then holds what it still needs, not every path it ever named. Nothing is
+        forgotten while what was left out is logged (`log_skipped`), and no ref while all
+        refs are carried."""
+        if rules.log_skipped:
+            return
+        self.skipped = []  # read only to log what was left out
+        if not rules.no_pending_reference:
+            return
+        oldest = turn - rules.ref_ttl_turns
+        live = self._named(output=True)  # a later snapshot may carry the output file
+        stale = []
+        for ref in self.refs.values():  # mention order: the stale refs come first
+            if ref.last_turn >= oldest:
+                break
+            if ref.value not in live:
+                stale.append(ref)
+        for ref in stale:
+            if ref not in self._latest(ref.type, 2):
+                self._forget(ref)
+
+    def _named(self, output: bool) -> set[str]:
+        """The ref values kept however old: what a resolved phrase names, and the output
+        file when `output`."""
+        live = set(self.resolved.values())
+        if output and self.output_file:
+            live.add(self.output_file)
+        return live
+
+    def _latest(self, rtype: str, n: int) -> list[_Ref]:
+        """The last n refs of a type (fewer if there are not so many), oldest first."""
+        same = self.by_type.get(rtype)
+        if not same:
+            return []
+        out = [self.refs[k] for k in islice(reversed(same), n)]
+        out.reverse()
+        return out
+
+    def _types_newest_first(self) -> list[str]:
+        """The ref types by their latest mention, newest first."""
+        return list(reversed(self.by_type))
+
+    def _resolve(self, d: Deictic, phrase: str, turn: int) -> bool:
+        newest = self._types_newest_first()  # the types it may mean, latest mentioned first
+        types = newest if d.types is None else [t for t in newest if t in d.types]
+        need = 1 if d.pick == "latest" else 2
+        for rtype in types:
+            cands = self._latest(rtype, need)
+            if len(cands) >= need:
+                if d.pick == "latest":
+                    chosen, other = cands[-1], None
+                elif d.pick == "earlier":
+                    chosen, other = cands[-2], cands[-1]
+                else:
+                    chosen, other = cands[-1], cands[-2]
+                self.resolved[phrase] = chosen.value
+                self._mention(chosen.type, chosen.value, turn)
+                if other is not None:  # the unchosen candidate: keep only its identifier
+                    self.dropped_candidates[other.value] = None
+                    self._forget(other)
+                return True
+        self.ambiguous[phrase] = None
+        return False
+
+    def add(self, m: Message) -> None:
+        self.add_text(m.turn, m.role, m.text)
+
+    def add_text(self, turn: int, role: str, text: str) -> None:
+        """`add(Message(turn, role, text))` without building the message."""
+        if role == "tool":
+            first = _first_line(text, 160)
+            if first is not None:
+                self.tool_results = [*self.tool_results[-2:], first]
+            return
+        x = _extract(self.p, role, text)
+        if x.small_talk:
+            self.skipped.append((f"turn {turn}", "small_talk_only"))
+            return
+        resolved_now = [phrase for k, phrase in x.deictics
+                        if self._resolve(self.p.deictics[k], phrase, turn)]
+        for rtype, value in x.refs:
+            self._mention(rtype, value, turn)
+        files = [v for t, v in x.refs if t == "file"] if x.refs else ()
+        if role == "user":
+            if self.pending_question is not None:
+                # the same question answered again: the new answer replaces the old
+                asked = _asked(self.pending_question)
+                if asked is not None:
+                    self.constraints = [c for c in self.constraints
+                                        if _asked(c.rsplit(" → ", 1)[0]) != asked]
+                self.constraints.append(f"{self.pending_question} → {x.first_clause}")
+                self.pending_question = None
+                self.task_state = "in_progress"
+            elif x.create and (x.refs or resolved_now):
+                self.task_state = "created"
+            if files and x.output:
+                self.output_file = files[-1]
+        elif role == "assistant":
+            if x.ask and self.task_state in ("created", "in_progress"):
+                self.pending_question = x.question
+                self.task_state = "awaiting_user"
+            elif x.close and self.task_state is not None:
+                self.task_state = "closed"
+                self.pending_question = None
+
+    def snapshot(self, rules: CarryRules, current_turn: int, skipped: bool = True) -> Snapshot:
+        """The fields later turns still need; `skipped`: also list what was left out and
+        why (one entry per stale ref: the only part that costs what the history holds)."""
+        out: dict[str, Any] = {}
+        left_out = list(self.skipped) if skipped else []
+        closed = self.task_state == "closed" and self.pending_question is None
+        if closed and rules.task_closed:
+            left_out += [(f, "task_closed") for f in ("task_state", "output_file",
+                                                       "confirmed_constraints")]
+        else:
+            if self.task_state:
+                out["task_state"] = self.task_state
+            if self.output_file:
+                out["output_file"] = self.output_file
+            if self.constraints:
+                out["confirmed_constraints"] = list(self.constraints)
+        refs: dict[str, list[str]] = {}
+        for ref in self._carried_refs(rules, current_turn, out, left_out if skipped else None):
+            refs.setdefault(ref.type, []).append(ref.value)
+        if self.resolved:
+            out["resolved_refs"] = dict(self.resolved)
+        if refs:
+            out["refs"] = refs
+        if self.tool_results:
+            out["tool_results"] = list(self.tool_results)
+        if self.dropped_candidates:
+            out["dropped_candidates"] = list(self.dropped_candidates)
+        if self.ambiguous:
+            out["ambiguous"] = list(self.ambiguous)
+        kept = {k: v for k, v in out.items() if k in rules.keep_fields}
+        if skipped:
+            left_out += [(k, "not_in_keep_fields") for k in out if k not in rules.keep_fields]
+        return Snapshot(kept, left_out)
+
+    def _carried_refs(self, rules: CarryRules, current_turn: int, out: dict[str, Any],
+                      left_out: list[tuple[str, str]] | None) -> list[_Ref]:
+        """The refs the snapshot keeps, in mention order: those mentioned in the last
+        ref_ttl_turns turns (a suffix of the mention order), and older ones a resolved
+        phrase or the output file still points at; `left_out` gets one entry per other."""
+        refs = self.refs
+        if not rules.no_pending_reference:
+            return list(refs.values())
+        oldest = current_turn - rules.ref_ttl_turns  # fresh: last mentioned at or after
+        live = self._named(output="output_file" in out)
+        if left_out is not None:  # every ref is looked at anyway: one pass in order
+            kept = []
+            for ref in refs.values():
+                if ref.last_turn < oldest and ref.value not in live:
+                    left_out.append((f"refs.{ref.type}", "no_pending_reference"))
+                else:
+                    kept.append(ref)
+            return kept
+        fresh: list[_Ref] = []
+        for key in reversed(refs):
+            ref = refs[key]
+            if ref.last_turn < oldest:
+                break
+            fresh.append(ref)
+        fresh.reverse()
+        older = [refs[k] for k in ((t, v) for t in self.by_type for v in live) if k in refs
+                 and refs[k].last_turn < oldest]
+        older.sort(key=attrgetter("seq"))  # back in mention order
+        return older + fresh
+
+
+def build_snapshot(
+    messages: Iterable[Message], patterns: CarryPatterns, rules: CarryRules
+) -> Snapshot:
+    fold = Fold(patterns)
+    current = 0
+    for m in messages:
+        fold.add(m)
+        current = max(current, m.turn)
+    return fold.snapshot(rules, current)
+
+
+DEFAULT_NOTE = ("[memgate memory] Earlier turns of this conversation were trimmed. "
+                "Still in force:\n{lines}")
+
+
+_LEFT_OUT = "- ({n} more left out: max_note_chars)"
+
+
+def render_note(
+    snap: Snapshot | None, template: str, max_chars: int, recalled: list[str] | None = None
+) -> str | None:
+    """The compact note injected before the current turn, or None when there is nothing.
+
+    Within `max_chars` lines go whole, never cut: the task's own fields first, then the
+    confirmed constraints newest first (an older one is the likelier to be superseded),
+    then refs, tool results and unchosen candidates; what does not fit is left out, and a
+    last line says how many lines were."""
+    f = snap.fields if snap is not None else {}
+    fixed = []
+    if "task_state" in f:
+        fixed.append(f"- task state: {f['task_state']}")
+    if "output_file" in f:
+        fixed.append(f"- output file: {f['output_file']}")
+    for phrase, value in (f.get("resolved_refs") or {}).items():
+        fixed.append(f"- \"{phrase}\" = {value}")
+    confirmed = [f"- confirmed: {c}" for c in f.get("confirmed_constraints") or []]
+    rest = [f"- {rtype}: {', '.join(values)}" for rtype, values in (f.get("refs") or {}).items()]
+    rest += [f"- tool result: {t}" for t in f.get("tool_results") or []]
+    if f.get("dropped_candidates"):
+        rest.append(f"- not chosen: {', '.join(f['dropped_candidates'])}")
+    # a record's lines joined into one: a recalled text never makes a line of the note's
+    # own ("- task state: closed" inside an archived reply stays inside its line)
+    recalled_lines = [f"- recalled: {' / '.join(r.splitlines())}" for r in recalled or []]
+    every = [*fixed, *confirmed, *rest]
+    if not every:
+        bare = template.replace("{lines}", "").rstrip()
+        lines = _within(recalled_lines, max_chars - len(bare))
+        return "\n".join([bare, *lines]) if lines else None
+    room = max_chars - len(template.replace("{lines}", ""))
+    if sum(len(x) + 1 for x in every) > room:
+        room -= len(_LEFT_OUT.format(n=len(every))) + 1  # the line that says so
+
+    def take(candidates: Iterable[str]) -> list[str]:
+        nonlocal room
+        out = []
+        for line in candidates:
+            if len(line) + 1 <= room:
+                out.append(line)
+                room -= len(line) + 1
+        return out
+
+    kept = take(fixed)
+    kept += reversed(take(reversed(confirmed)))  # the newest first, shown in their order
+    kept += take(rest)
+    if len(kept) < len(every):
+        kept.append(_LEFT_OUT.format(n=len(every) - len(kept)))
+    head = template.replace("{lines}", "\n".join(kept))
+    lines = _within(recalled_lines, max_chars - len(head))
+    return "\n".join([head, *lines]) if lines else head
+
+
+def _within(lines: list[str], room: int) -> list[str]:
+    """The recalled lines that fit `room` characters (each with its newline), the first
+    that does not cut to the room with "…" when at least 40 characters are left: the
+    note, recalled text included, stays within max_note_chars."""
+    out = []
+    for line in lines:
+        if len(line) + 1 <= room:
+            out.append(line)
+            room -= len(line) + 1
+            continue
+        if room - 1 >= 40:
+            out.append(line[: room - 2] + "…")
+        break
+    return out
