@@ -2,8 +2,10 @@
 
 __version__ = "0.1.0"  # before the imports: the CLI (imported by them) reads it
 
-from gateway.config.rules import Rules, load_rules
-from gateway.decide.chat import Decision, decide
+from gateway.config.rules import load_rules
+from gateway.config.schema import Rules
+from gateway.decide.chat import decide
+from gateway.decide.decision import Decision
 from gateway.policy import Limits, Plan, PlanRules, plan
 from gateway.proxy.app import create_app
 

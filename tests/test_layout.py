@@ -1,10 +1,13 @@
-"""The gateway's modules import each other without cycles (imports read with ast).
+"""The package's shape: rooms in one import order, no import cycles, small modules.
 
-A module-level cycle works until someone moves a line: the module imported second sees the
-first half-initialised. An import deferred into a function to dodge a cycle is still one (the
-two modules cannot be understood apart; STYLE.md's counter-example has 176 of them), so the
-graph is checked twice: module level only, and with the imports in function bodies. Imports
-under `if TYPE_CHECKING:` never run and are left out."""
+`gateway/` is split into rooms (subpackages) whose order is the import order: a module
+imports its own room and the rooms below it, never one above (ROOMS, top first; see
+docs/architecture.md). A module-level cycle works until someone moves a line: the module
+imported second sees the first half-initialised. An import deferred into a function to dodge
+a cycle is still one (the two modules cannot be understood apart; the counter-example in the
+shared STYLE.md has 176 of them), and so is one under `if TYPE_CHECKING:` (it never runs, but
+the two modules still cannot be read apart), so the graph is checked with each kind of import.
+Imports read with ast; nothing of the package is run."""
 
 from __future__ import annotations
 
@@ -33,17 +36,18 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _import_nodes(body: list[ast.stmt], deferred: bool) -> list[ast.Import | ast.ImportFrom]:
+def _import_nodes(body: list[ast.stmt], deferred: bool, typing_only: bool = False
+                  ) -> list[ast.Import | ast.ImportFrom]:
     """The import statements that run when the module is imported (module level, class
-    bodies, if/try/with/for blocks), and with `deferred` those in function bodies too;
-    never those under `if TYPE_CHECKING:`."""
+    bodies, if/try/with/for blocks), with `deferred` those in function bodies too, and with
+    `typing_only` those under `if TYPE_CHECKING:`."""
     out: list[ast.Import | ast.ImportFrom] = []
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             out.append(node)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not deferred:
             continue
-        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+        elif isinstance(node, ast.If) and _is_type_checking(node.test) and not typing_only:
             out += _import_nodes(node.orelse, deferred)
         else:
             blocks = [getattr(node, f, []) for f in ("body", "orelse", "finalbody")]
@@ -52,7 +56,7 @@ def _import_nodes(body: list[ast.stmt], deferred: bool) -> list[ast.Import | ast
             for block in blocks:
                 if isinstance(block, list):
                     out += _import_nodes([s for s in block if isinstance(s, ast.stmt)],
-                                         deferred)
+                                         deferred, typing_only)
     return out
 
 
@@ -83,15 +87,16 @@ def _targets(node: ast.Import | ast.ImportFrom, name: str, is_pkg: bool,
     return loaded
 
 
-def import_graph(root: Path, package: str, deferred: bool = False) -> dict[str, set[str]]:
+def import_graph(root: Path, package: str, deferred: bool = False, typing_only: bool = False
+                 ) -> dict[str, set[str]]:
     """module -> the package's modules it imports at import time (and with `deferred`, in
-    its functions)."""
+    its functions; with `typing_only`, under `if TYPE_CHECKING:`)."""
     known = _modules(root, package)
     graph: dict[str, set[str]] = {}
     for name, (path, is_pkg) in known.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         graph[name] = set()
-        for node in _import_nodes(tree.body, deferred):
+        for node in _import_nodes(tree.body, deferred, typing_only):
             graph[name] |= _targets(node, name, is_pkg, known)
     return graph
 
@@ -134,7 +139,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_gateway_has_no_import_cycles() -> None:
     """No two gateway modules import each other at import time, directly or through others."""
     graph = import_graph(PACKAGE_DIR, "gateway")
-    assert "gateway.proxy.appstate" in graph["gateway.proxy.handlers"]  # the graph sees imports
+    assert "gateway.proxy.appstate" in graph["gateway.proxy.app"]  # the graph sees imports
     assert cycles(graph) == []
 
 
@@ -142,8 +147,72 @@ def test_gateway_has_no_cycles_through_deferred_imports() -> None:
     """Nor through an import deferred into a function (app used to import handlers in
     create_app while handlers imported app for GatewayState; cli and demo the same)."""
     graph = import_graph(PACKAGE_DIR, "gateway", deferred=True)
-    assert "gateway.cli.demo" in graph["gateway.cli.main"]  # the graph sees deferred imports
+    assert "gateway.observe.otel" in graph["gateway.proxy.app"]  # the graph sees deferred ones
     assert cycles(graph) == []
+
+
+def test_gateway_has_no_cycles_through_type_checking_imports() -> None:
+    """Nor through an import only type checkers read (console, its view and the gateway's
+    state used to name each other's classes that way; so did the config and its printout)."""
+    graph = import_graph(PACKAGE_DIR, "gateway", deferred=True, typing_only=True)
+    assert "gateway.memory.backends" in graph["gateway.observe.metrics"]  # sees TYPE_CHECKING
+    assert cycles(graph) == []
+
+
+# the rooms of gateway/, top first: a module imports its own room and those below it
+ROOMS = ("cli", "proxy", "observe", "memory", "decide", "wire", "policy", "measure", "config",
+         "errors")
+# the package itself (its public surface re-exports from the rooms) and the `python -m`
+# entry stand above every room
+ABOVE_ROOMS = frozenset({"__init__", "__main__"})
+MAX_ROOT_MODULES = 8
+MAX_LINES = 600
+LONG_BECAUSE = "Why it is long:"  # a module over MAX_LINES says why in its docstring
+
+
+def room_of(module: str, package: str = "gateway") -> str:
+    """The room of a dotted module name: its first part under the package."""
+    rest = module[len(package) + 1:] if module != package else "__init__"
+    return rest.split(".")[0]
+
+
+def upward_imports(graph: dict[str, set[str]], rooms: tuple[str, ...], package: str
+                   ) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a room imports one above it in `rooms`."""
+    rank = {r: i for i, r in enumerate(rooms)}
+    out = []
+    for module, targets in sorted(graph.items()):
+        here = room_of(module, package)
+        if here in ABOVE_ROOMS:
+            continue
+        assert here in rank, f"{module} is in no room: add its room to ROOMS"
+        for target in sorted(targets):
+            there = room_of(target, package)
+            assert there in rank or there in ABOVE_ROOMS, f"{target} is in no room"
+            if there in ABOVE_ROOMS or rank[there] < rank[here]:
+                out.append((module, target))
+    return out
+
+
+def test_rooms_import_only_downward() -> None:
+    """No module imports a room above its own, by any kind of import (module level, in a
+    function, or for type checkers only)."""
+    graph = import_graph(PACKAGE_DIR, "gateway", deferred=True, typing_only=True)
+    assert upward_imports(graph, ROOMS, "gateway") == []
+
+
+def test_package_root_is_small_and_modules_are_readable() -> None:
+    """At most MAX_ROOT_MODULES modules at the root of gateway/; no module over MAX_LINES
+    lines unless its docstring says why."""
+    root = sorted(p.name for p in PACKAGE_DIR.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root
+    long = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if text.count("\n") > MAX_LINES and LONG_BECAUSE not in doc:
+            long.append(f"{path.relative_to(PACKAGE_DIR)}: {text.count(chr(10))} lines")
+    assert long == []
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -182,3 +251,23 @@ def test_finder_treats_a_package_init_as_imported_first(tmp_path: Path) -> None:
         "sub/z.py": "",
     })
     assert cycles(import_graph(tmp_path, "pkg")) == [["pkg.sub", "pkg.y"]]
+
+
+def test_order_check_reports_an_upward_import_of_any_kind(tmp_path: Path) -> None:
+    """A lower room importing a higher one is reported, whether at module level, in a
+    function or under TYPE_CHECKING; a downward import and the package's own surface are
+    not."""
+    _write(tmp_path, {
+        "__init__.py": "from .top.a import A\n",
+        "top/__init__.py": "",
+        "top/a.py": "from ..low.b import B\nA = 1\n",
+        "low/__init__.py": "",
+        "low/b.py": "B = 1\ndef f():\n    from ..top import a\n",
+        "low/c.py": ("from typing import TYPE_CHECKING\n"
+                     "if TYPE_CHECKING:\n    from ..top.a import A\n"),
+    })
+    graph = import_graph(tmp_path, "pkg", deferred=True, typing_only=True)
+    assert upward_imports(graph, ("top", "low"), "pkg") == [
+        ("pkg.low.b", "pkg.top"), ("pkg.low.b", "pkg.top.a"), ("pkg.low.c", "pkg.top"),
+        ("pkg.low.c", "pkg.top.a")]
+    assert upward_imports(import_graph(tmp_path, "pkg"), ("top", "low"), "pkg") == []

@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 import yaml
 
-from gateway.config.rules import Rules
+from gateway.config.schema import Rules
 from gateway.config.yamlfile import yaml_error_line
 from gateway.decide.chat import decide
 from gateway.measure.conversation import first_text, is_active

@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import orjson
 
-from gateway.config.rules import Rules
+from gateway.config.schema import Rules
 from gateway.decide.chat import decide
 from gateway.errors import GatewayError
 from gateway.measure.tokens import Tokenizers

@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gateway.config.rules import Memory, Rules, Upstream
-    from gateway.config.schema import StoreRules
+    from gateway.config.schema import Memory, Rules, StoreRules, Upstream
 
 _UNITS = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
 

@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from gateway.config.rules import Rules, load_rules
+from gateway.config.rules import load_rules
+from gateway.config.schema import Rules
 from gateway.errors import RulesError
 
 Signature = tuple[Any, ...]

@@ -1,14 +1,21 @@
-"""Settings sections that the stages read, as frozen dataclasses the loader builds.
+"""The config's shape: the `Rules` snapshot and its sections, as frozen dataclasses.
 
-Each stage reads its own section (compaction, the carry note, the memory store); the
-loader (`gateway.config.rules`) validates a file into them. They live here, beneath the
-stages, so that the config never imports a stage and a stage imports no loader.
+The loader (`gateway.config.rules`) validates a file into them; each stage reads its own
+section (compaction, the carry note, the memory store, the tenants), and a request asks
+the snapshot the lookups kept with it (which upstream serves a path, what a model's
+window is). They live here, beneath the stages, so that the config never imports a
+stage and a stage imports no loader.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from gateway.config.carry import CarryPatterns
 
 Boundary = Literal["closed", "half_open"]
 SEED_KEEP = ("task_state", "resolved_refs", "confirmed_constraints", "output_file")
@@ -61,3 +68,250 @@ class StoreRules:
     # records whose ts is older than this are deleted (None, when the key is absent:
     # kept for ever, so an upgrade deletes nothing; the shipped configs say 90d)
     retention_s: int | None = None
+
+
+# compact_tools shortens old tool results before the planner runs (chat.py): listed,
+# it must come before length, which then drops fewer turns
+STAGES = ("pinned", "recent_turns", "compact_tools", "length", "score")
+DropUnit = Literal["turn", "group"]
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    max_tokens: int | Literal["auto"] | None = 6000
+    # backstops behind max_tokens, not the policy: at 24,000 / 60 / 20 they cut a chat at
+    # ~1,800 tokens whatever max_tokens said (LoCoMo dev, 8k budget: 74.6% of the evidence
+    # kept; 92.1% at these, where max_tokens decides)
+    max_chars: int | None = None
+    max_messages: int | None = 400
+    max_turns: int | None = 200
+    safety_ratio: float = 0.9
+    reserve_output_tokens: int = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    order: tuple[str, ...] = ("pinned", "recent_turns", "length")
+    keep_pinned: bool = True
+    max_pinned: int = 8
+    drop_unit: DropUnit = "turn"
+    on_over_budget: Literal["forward", "reject"] = "forward"
+    low_water: float = 0.6
+    move_cache_marker: bool = False
+    compact: CompactRules = field(default_factory=CompactRules)
+    recall_share: float = 0.4  # of the budget, filled with the dropped history the request is about
+
+
+@dataclass(frozen=True, slots=True)
+class Markers:
+    system_prefix: str = "[PIN]"
+    min_score: float = 0.7
+    # malformed `memgate` metadata with eviction on: ignore it (the message is pinned by
+    # nothing but its text prefix; logged metadata=invalid) or refuse the request (400).
+    # With eviction off or in shadow it is always ignored: the kill switch never rejects.
+    on_bad_metadata: Literal["reject", "ignore"] = "ignore"
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    enable_eviction: bool = False
+    shadow: bool = True
+    budget: Budget = field(default_factory=Budget)
+    eviction: Eviction = field(default_factory=Eviction)
+    markers: Markers = field(default_factory=Markers)
+    carry: CarryRules = field(default_factory=lambda: CarryRules(enabled=False))
+    carry_patterns: CarryPatterns | None = None
+    # a body the gateway changed (evicted, note added, metadata cut) that the upstream
+    # refuses as invalid is resent as the client sent it
+    fallback_original: bool = True
+    # after such a refusal the session's requests go unchanged this long (0: every
+    # request is tried changed again)
+    fallback_backoff_s: float = 600.0
+
+    @property
+    def mode(self) -> Literal["off", "shadow", "on"]:
+        if self.enable_eviction:
+            return "on"
+        return "shadow" if self.shadow else "off"
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    name: str
+    base_url: str
+    paths: tuple[str, ...] = ("/*",)
+    models: tuple[str, ...] = ()
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 600.0
+    api_key_env: str | None = None  # inject this env var's key instead of the client's
+    api_key_header: Literal["authorization", "x-api-key", "api-key"] = "authorization"
+    proxy: str | None = None  # egress HTTP proxy for this upstream
+
+    def serves(self, path: str, model: str | None) -> bool:
+        if not any(fnmatch.fnmatchcase(path, p) for p in self.paths):
+            return False
+        if self.models and model is not None:
+            return any(fnmatch.fnmatchcase(model, m) for m in self.models)
+        return not self.models
+
+
+def target_url(up: Upstream, path_qs: str) -> str:
+    """base_url + the client's path; a base ending in /v1 does not double it."""
+    base = up.base_url
+    if urlsplit(base).path.endswith("/v1") and (path_qs == "/v1" or path_qs.startswith("/v1/")
+                                                  or path_qs.startswith("/v1?")):
+        base = base[: -len("/v1")]
+    return base + path_qs
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    match: str
+    encoding: str
+    context_window: int
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureRules:
+    enabled: bool = False
+    dir: str = "var/capture"
+    sample_rate: float = 0.01
+    max_files: int = 1000
+    around_change: int = 20
+
+
+@dataclass(frozen=True, slots=True)
+class ConsoleRules:
+    """The operator console (console.py): off unless enabled; what it keeps is bounded
+    by `max_sessions` sessions of `ring` recent requests each."""
+
+    enabled: bool = False
+    show_text: bool = False  # the carry note and recalled records as text, not only sizes
+    max_sessions: int = 200
+    ring: int = 20
+
+
+@dataclass(frozen=True, slots=True)
+class StateRules:
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url_env: str = "MEMGATE_REDIS_URL"
+    ttl_s: int = 86400
+    key_prefix: str = "memgate"
+    # a Redis that refuses or hangs costs at most this per command, then is skipped
+    connect_timeout_s: float = 0.25
+    read_timeout_s: float = 0.5
+    retry_after_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRules:
+    """Who a caller is (session.py reads these): the extra headers that carry its key,
+    the tenant of callers without one (None: no memory), and which client keys may
+    use a route whose upstream gets the gateway's own key."""
+
+    credential_headers: tuple[str, ...] = ()  # after Authorization, x-api-key, api-key
+    anonymous: str | None = None
+    client_keys_sha256: frozenset[str] = frozenset()  # + $MEMGATE_CLIENT_KEYS_SHA256
+    allow_any_client: bool = False  # an injected key serves any caller: explicit opt-out
+
+
+# what makes `tracing.enabled: auto` switch tracing on: the standard variables naming an
+# OTLP endpoint or an exporter (OTEL_TRACES_EXPORTER=none does not)
+OTEL_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+@dataclass(frozen=True, slots=True)
+class TracingRules:
+    """OpenTelemetry traces and GenAI metrics (the `otel` extra, gateway/observe/otel.py)."""
+
+    enabled: bool | Literal["auto"] = False
+
+    def active(self, env: Mapping[str, str]) -> bool:
+        """On as configured; `auto`: on when the environment names where to export.
+        OTEL_SDK_DISABLED=true switches it off either way."""
+        if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+            return False
+        if self.enabled != "auto":
+            return self.enabled
+        exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+        return any(env.get(v) for v in OTEL_ENDPOINT_VARS) or exporter not in ("", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    memory: Memory = field(default_factory=Memory)
+    upstreams: tuple[Upstream, ...] = (
+        Upstream("anthropic", "https://api.anthropic.com", paths=("/v1/messages*",),
+                 api_key_header="x-api-key"),
+        Upstream("openai", "https://api.openai.com"),
+    )
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    # /metrics and /admin/* on their own listener (None: on the main one); read at start-up
+    listen_admin_port: int | None = None
+    listen_admin_host: str = "127.0.0.1"
+    log_format: Literal["console", "json"] = "console"
+    log_level: str = "info"
+    max_body_bytes: int = 32 * 1024 * 1024
+    session_header: str = "X-Session-Id"
+    max_tracked_sessions: int = 10_000
+    history_cache_mb: int = 256
+    # request-path shortcuts turned off (MEMGATE_SHORTCUTS_OFF): same decisions, more work
+    shortcuts_off: frozenset[str] = frozenset()
+    token_cache_size: int = 200_000
+    approx_token_factor: float = 1.15
+    capture: CaptureRules = field(default_factory=CaptureRules)
+    store: StoreRules = field(default_factory=StoreRules)
+    state: StateRules = field(default_factory=StateRules)
+    tenants: TenantRules = field(default_factory=TenantRules)
+    tracing: TracingRules = field(default_factory=TracingRules)
+    console: ConsoleRules = field(default_factory=ConsoleRules)
+    models: tuple[ModelInfo, ...] = ()
+    default_encoding: str = "cl100k_base"
+    default_context_window: int = 8192
+    source: str = "<defaults>"
+    models_path: str | None = None
+    carry_path: str | None = None
+    # answers worked out once per Rules object (routes, model info, plan limits): a
+    # reload builds a new Rules, so nothing here outlives the config it came from
+    memo: dict[Any, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def remember(self, key: Any, value: Any) -> None:
+        if len(self.memo) > 4096:  # request paths and model names come from clients
+            self.memo.clear()
+        self.memo[key] = value
+
+    @property
+    def routes_by_model(self) -> bool:
+        """Does any upstream choose requests by model (so the body must be read)?"""
+        return any(u.models for u in self.upstreams)
+
+    def upstream_for(self, path: str, model: str | None = None,
+                     anthropic: bool = False) -> Upstream:
+        """First upstream serving this path (and model); else the default one. A request
+        of Anthropic's SDK (`anthropic`: it sends anthropic-version) that would go to
+        the OpenAI-compatible default goes to the upstream named `anthropic` if there
+        is one: /v1/models or /v1/files of Anthropic's API, never with its key to
+        another provider."""
+        key = ("upstream", path, model, anthropic)
+        up: Upstream | None = self.memo.get(key)
+        if up is None:
+            default = self.default_upstream
+            up = next((u for u in self.upstreams if u.serves(path, model)), default)
+            if anthropic and up is default:
+                up = next((u for u in self.upstreams if u.name == "anthropic"), up)
+            self.remember(key, up)
+        return up
+
+    @property
+    def default_upstream(self) -> Upstream:
+        """The OpenAI-compatible default: the upstream named `openai`, else the first."""
+        return next((u for u in self.upstreams if u.name == "openai"), self.upstreams[0])
+
+    def model_info(self, model: str | None) -> ModelInfo:
+        found: ModelInfo | None = self.memo.get(("model", model))
+        if found is None:
+            found = next((i for i in self.models if model and fnmatch.fnmatchcase(model, i.match)),
+                         ModelInfo("*", self.default_encoding, self.default_context_window))
+            self.remember(("model", model), found)
+        return found

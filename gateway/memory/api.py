@@ -23,8 +23,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.config.rules import Rules
-from gateway.config.schema import StoreRules
+from gateway.config.schema import Rules, StoreRules
 from gateway.config.validate import MAX_ID_CHARS
 from gateway.errors import GatewayError
 from gateway.memory.backends import Backend, BackendDown

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.config.schema import StoreRules
-from gateway.decide.chat import Decision, current_turn_start
+from gateway.decide.decision import Decision, current_turn_start
 from gateway.measure.terms import index_text, query_terms
 from gateway.memory.backends import Backend, BackendDown
 from gateway.memory.state import fingerprint
@@ -27,7 +27,7 @@ from gateway.memory.store.model import Filter, Record, build_record, format_ts, 
 
 MAX_RECALLED_CHARS = 1000
 # the request waits for recall before it is forwarded: a slow store (a locked SQLite file
-# waits 5 s for its lock) costs it this much once, then the breaker skips the store
+# waits 2 s for its lock) costs it this much once, then the breaker skips the store
 RECALL_TIMEOUT_S = 0.5
 OPEN_TIMEOUT_S = 0.5  # on the request path too: a store that cannot open is skipped
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gateway.config.rules import TenantRules
+    from gateway.config.schema import TenantRules
 
 _SAFE = re.compile(r"[^A-Za-z0-9._:@/-]")
 MAX_ID = 128

@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from gateway.config.rules import CaptureRules
+from gateway.config.schema import CaptureRules
 from gateway.wire.jsonbytes import apply, members, ws
 
 # top-level body fields that carry a credential (compared lower-cased)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.config.rules import ConsoleRules
+from gateway.config.schema import ConsoleRules
 
 MINUTES = 60  # the last hour, a bucket a minute
 SAMPLES = 512  # overhead samples per minute for the percentiles (a reservoir beyond)

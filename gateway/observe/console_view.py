@@ -15,7 +15,7 @@ from html import escape
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from gateway.config.rules import ConsoleRules, Rules
+from gateway.config.schema import ConsoleRules, Rules
 
 if TYPE_CHECKING:
     from gateway.observe.console_log import Minute, Seen, SessionLog

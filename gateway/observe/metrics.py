@@ -39,7 +39,7 @@ from gateway.observe.relayed import REFUSALS
 from gateway.wire import WIRES
 
 if TYPE_CHECKING:
-    from gateway.decide.chat import Decision
+    from gateway.decide.decision import Decision
     from gateway.decide.history import HistoryCache
     from gateway.memory.backends import Backend
     from gateway.observe.relayed import Relayed

@@ -31,7 +31,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from gateway.config.rules import Upstream, target_url
+from gateway.config.schema import Upstream, target_url
 from gateway.observe.relayed import Relayed
 from gateway.wire.base import Wire
 

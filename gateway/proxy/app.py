@@ -11,7 +11,8 @@ from typing import Any
 from aiohttp import web
 
 from gateway.config.reload import Reloader
-from gateway.config.rules import Rules, unguarded_injection
+from gateway.config.rules import unguarded_injection
+from gateway.config.schema import Rules
 from gateway.decide.history import HistoryCache
 from gateway.errors import RulesError
 from gateway.measure.tokens import Tokenizers
@@ -20,8 +21,11 @@ from gateway.memory.api import routes as memory_routes
 from gateway.memory.backends import Backend
 from gateway.memory.state import MemoryState, RedisState
 from gateway.observe import logging as mglog
-from gateway.proxy import listeners
+from gateway.proxy import admin_routes, chat_route, listeners
 from gateway.proxy.appstate import STATE, GatewayState, RefusedSessions
+from gateway.proxy.error_answers import contained_paths
+from gateway.proxy.intake import read_body
+from gateway.proxy.passthrough import passthrough
 from gateway.wire import PATHS
 
 
@@ -93,7 +97,7 @@ def create_app(
     watch_interval_s: float = 0.5,
 ) -> web.Application:
     """Build the gateway application for `rules` (reloaded from `config_path` if given)."""
-    from gateway.proxy import console, handlers
+    from gateway.proxy import console
 
     log = mglog.get_logger()
 
@@ -134,7 +138,7 @@ def create_app(
     # bodies arrive as the client sent them: passthrough relays them so, and read_body
     # decodes a compressed one within that limit (aiohttp would inflate it unbounded)
     app = web.Application(client_max_size=1 << 40, handler_args={"auto_decompress": False},
-                          middlewares=[handlers.contained_paths,
+                          middlewares=[contained_paths,
                                        *listeners.split_middlewares(rules)])
     app[STATE] = state
     app[listeners.ADMIN_LISTEN] = listeners.admin_listen(rules)
@@ -190,15 +194,16 @@ def create_app(
                 await state.tracing.shutdown()
 
     app.cleanup_ctx.append(resources)
-    app.router.add_get("/healthz", handlers.healthz)
-    app.router.add_get("/readyz", handlers.readyz)
-    app.router.add_get("/metrics", handlers.metrics)
-    app.router.add_get("/admin/sessions/{session}/memory", handlers.admin_session_memory)
+    app.router.add_get("/healthz", admin_routes.healthz)
+    app.router.add_get("/readyz", admin_routes.readyz)
+    app.router.add_get("/metrics", admin_routes.metrics)
+    app.router.add_get("/admin/sessions/{session}/memory",
+                       admin_routes.admin_session_memory)
     app.router.add_routes(console.routes())
     app.router.add_routes(memory_routes(lambda r: r.app[STATE].memory,
-                                        lambda r: r.app[STATE].rules, handlers.read_body))
+                                        lambda r: r.app[STATE].rules, read_body))
     for path, wire in PATHS.items():
-        app.router.add_post(path, handlers.intercept(wire))
+        app.router.add_post(path, chat_route.intercept(wire))
     # every path is relayed, a (decoded) newline in it too: aiohttp's own 404 is plain text
-    app.router.add_route("*", "/{tail:[\\s\\S]*}", handlers.passthrough)
+    app.router.add_route("*", "/{tail:[\\s\\S]*}", passthrough)
     return app

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from gateway.config.reload import Reloader
-from gateway.config.rules import Rules
+from gateway.config.schema import Rules
 from gateway.decide.history import HistoryCache
 from gateway.measure.tokens import Tokenizers
 from gateway.memory.api import MemoryService

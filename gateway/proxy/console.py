@@ -17,7 +17,7 @@ from urllib.parse import parse_qs
 
 from aiohttp import web
 
-from gateway.config.rules import Rules
+from gateway.config.schema import Rules
 from gateway.memory.backends import Backend
 from gateway.observe import console_view as view
 from gateway.observe.console_log import SESSION_CHARS, Console

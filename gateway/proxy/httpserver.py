@@ -22,7 +22,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from gateway.errors import GatewayError, render_error
 from gateway.observe import logging as mglog
-from gateway.proxy.handlers import flavor_for
+from gateway.proxy.error_answers import flavor_for
 
 # the parser quotes what it choked on (repr of the bytes): its message is cut there
 _QUOTE = re.compile(r"""\s*\bb?['"].*""", re.DOTALL)

@@ -19,8 +19,10 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from gateway.config.rules import Rules
+from gateway.config.schema import Rules
 from gateway.errors import GatewayError
+from gateway.proxy.error_answers import error_response, flavor_for
+from gateway.proxy.passthrough import passthrough
 
 # (host, port) of the admin listener, or None when everything is on the main one; fixed
 # at start-up (a reload cannot rebind sockets)
@@ -60,8 +62,6 @@ def _local_port(request: web.Request) -> int | None:
 
 def split_middlewares(rules: Rules) -> list[Middleware]:
     """The middleware that keeps each listener to its routes; none without an admin port."""
-    from gateway.proxy.handlers import error_response, flavor_for, passthrough
-
     listen = admin_listen(rules)
     if listen is None:
         return []

@@ -22,7 +22,7 @@ from aiohttp.http_writer import StreamWriter
 from aiohttp.payload import BytesPayload, Payload
 from multidict import CIMultiDict
 
-from gateway.config.rules import Upstream, target_url
+from gateway.config.schema import Upstream, target_url
 from gateway.errors import BadRequest, GatewayError, UpstreamTimeout, UpstreamUnreachable
 from gateway.observe.relayed import REFUSALS, Relayed
 from gateway.observe.usage import Inflate, TooBig, Unreadable, reader_for

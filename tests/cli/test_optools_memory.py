@@ -14,8 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.config.rules import TenantRules
-from gateway.config.schema import StoreRules
+from gateway.config.schema import StoreRules, TenantRules
 from gateway.measure.terms import index_text, query_terms
 from gateway.memory.session import tenant_of
 from gateway.memory.store.model import RECORD_FIELDS, Record, StoreError, build_record, ranked

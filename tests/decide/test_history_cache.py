@@ -13,8 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.config.rules import Rules, build_rules
-from gateway.decide.chat import Decision, decide
+from gateway.config.rules import build_rules
+from gateway.config.schema import Rules
+from gateway.decide.chat import decide
+from gateway.decide.decision import Decision
 from gateway.decide.history import HistoryCache, join, last_turn_start
 from gateway.errors import GatewayError
 from gateway.measure.conversation import Conversation, Unplannable

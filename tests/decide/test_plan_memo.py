@@ -16,12 +16,15 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.config.rules import Rules, apply_env, build_rules
-from gateway.decide.chat import EXACT_CHARS, Decision, decide
+from gateway.config.env_overrides import apply_env
+from gateway.config.rules import build_rules
+from gateway.config.schema import Rules
+from gateway.decide.chat import EXACT_CHARS, decide
+from gateway.decide.decision import Decision
 from gateway.decide.history import HistoryCache
 from gateway.errors import GatewayError
 from gateway.measure.tokens import Tokenizers
-from gateway.policy import plan as plan_module
+from gateway.policy import STAGES
 from gateway.wire.anthropic_messages import ANTHROPIC_MESSAGES
 from gateway.wire.base import Wire
 from gateway.wire.openai_chat import OPENAI_CHAT
@@ -35,8 +38,6 @@ WIRES: dict[str, tuple[Wire, Any]] = {
     "anthropic": (ANTHROPIC_MESSAGES, to_anthropic),
     "responses": (OPENAI_RESPONSES, to_responses),
 }
-# the planner module (gateway.policy re-exports the function under the same name)
-P = __import__("sys").modules[plan_module.__module__]
 
 
 def make_rules(memory: dict[str, Any], off: str = "") -> Rules:
@@ -143,13 +144,13 @@ def counting(monkeypatch: pytest.MonkeyPatch, stages: tuple[str, ...]
     recorded from now on."""
     calls: list[str] = []
     for name in stages:
-        stage = P.STAGES[name]
+        stage = STAGES[name]
 
         def counted(st: Any, stage: Any = stage, name: str = name) -> None:
             calls.append(name)
             stage(st)
 
-        monkeypatch.setitem(P.STAGES, name, counted)
+        monkeypatch.setitem(STAGES, name, counted)
     scanned: list[int] = []
     scan = type(OPENAI_CHAT).tool_results
 
@@ -275,7 +276,7 @@ def test_a_history_that_fits_by_its_count_is_not_planned(monkeypatch: pytest.Mon
     planned (no stage runs, no scan for tool results) while what is left to count is
     small; its plan is the one the stages come to (every message kept, as `fits`, its
     count the [mem] line's est_tokens); a cold one with much to count is planned."""
-    calls, scanned = counting(monkeypatch, tuple(P.STAGES))
+    calls, scanned = counting(monkeypatch, tuple(STAGES))
     tok = Tokenizers(50_000)
 
     def session(rules: Rules, histories: list[list[dict[str, Any]]]

@@ -11,7 +11,8 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.config.rules import SHORTCUTS, apply_env, build_rules
+from gateway.config.env_overrides import SHORTCUTS, apply_env
+from gateway.config.rules import build_rules
 from gateway.errors import RulesError
 from tests.conftest import GatewayFactory, Upstream
 

@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.config.rules import TenantRules
+from gateway.config.schema import TenantRules
 from gateway.memory.session import tenant_of
 from gateway.memory.store.model import Filter
 from gateway.memory.store.sqlite import SqliteStore

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
-from gateway.config.rules import TenantRules
+from gateway.config.schema import TenantRules
 from gateway.memory.session import client_refusal, tenant_of
 
 # in the order the gateway looks at them; the last one is configured
@@ -96,7 +96,9 @@ def test_tenants_config_is_validated_and_described() -> None:
     import pytest
     import yaml
 
-    from gateway.config.rules import apply_env, build_rules, describe
+    from gateway.config.effective import effective_config
+    from gateway.config.env_overrides import apply_env
+    from gateway.config.rules import build_rules
     from gateway.errors import RulesError
 
     good = "a" * 64
@@ -119,7 +121,7 @@ def test_tenants_config_is_validated_and_described() -> None:
     assert "not-a-hash" not in str(exc.value)  # likely a key pasted in place of its hash
     merged = apply_env(rules, {"MEMGATE_CLIENT_KEYS_SHA256": "b" * 64})
     assert merged.tenants.client_keys_sha256 == {good, "b" * 64}
-    shown = yaml.safe_load(yaml.safe_dump(describe(merged)))["tenants"]
+    shown = yaml.safe_load(yaml.safe_dump(effective_config(merged)))["tenants"]
     assert shown == {"credential_headers": ["X-Client-Key"], "anonymous": None,
                      "client_keys_sha256": [good, "b" * 64], "allow_any_client": False}
 

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.config.rules import ConsoleRules, build_rules
+from gateway.config.rules import build_rules
+from gateway.config.schema import ConsoleRules
 from gateway.errors import RulesError
 from gateway.observe import console_view as view
 from gateway.observe.console_log import Console, message_strip

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gateway import SIZES, history  # noqa: E402
 
-from gateway.config.rules import ConsoleRules, build_rules  # noqa: E402
+from gateway.config.rules import build_rules  # noqa: E402
+from gateway.config.schema import ConsoleRules  # noqa: E402
 from gateway.decide.chat import decide  # noqa: E402
 from gateway.measure.tokens import Tokenizers  # noqa: E402
 from gateway.observe import console_view as view  # noqa: E402

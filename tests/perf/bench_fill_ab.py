@@ -30,7 +30,8 @@ import orjson, yaml
 from tests.perf.bench_plan import ROOT, history
 from gateway.decide.chat import decide
 from gateway.decide.history import HistoryCache
-from gateway.config.rules import apply_env, build_rules
+from gateway.config.env_overrides import apply_env
+from gateway.config.rules import build_rules
 from gateway.measure.tokens import Tokenizers
 out = {}
 off, unique = sys.argv[3], sys.argv[4] == "1"

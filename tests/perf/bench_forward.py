@@ -25,7 +25,7 @@ import orjson
 from gateway.measure.conversation import META_KEY
 from gateway.wire import sniff
 from gateway.wire.base import Wire
-from tests.bench_plan import history
+from tests.perf.bench_plan import history
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ("anthropic_long_tools", "chat_long_tools", "responses_long_tools",

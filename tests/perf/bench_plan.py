@@ -146,7 +146,7 @@ PLAN_SHORTCUTS = ("planpass", "plancache", "recallscan", "toolscan")
 def shipped(off: str = "") -> Any:
     import yaml
 
-    from gateway.config.rules import apply_env
+    from gateway.config.env_overrides import apply_env
 
     cfg = yaml.safe_load((ROOT / "rules/gateway.yaml").read_text(encoding="utf-8"))
     cfg["memory"]["enable_eviction"] = True  # the shipped config, eviction on

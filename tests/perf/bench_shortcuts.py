@@ -36,7 +36,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from tests.bench_gateway import UPSTREAM, Proc, body, free_port, history
+from tests.perf.bench_gateway import UPSTREAM, Proc, body, free_port, history
 
 SHORTCUTS = ("history", "splice", "spans", "prefilter", "deferred", "thread")
 MODES = {"on": "1", "off": "0"}  # MEMGATE_ENABLE_EVICTION (off: shadow, the shipped default)
@@ -204,13 +204,14 @@ def report(results: dict[tuple[str, str], list[dict[str, float]]]) -> None:
 def plan_bench(rounds: int) -> None:
     """bench_plan's session+1 (the grown request of a cached session) and cold decide,
     with the history cache and the prefilter each off."""
-    from gateway.config.rules import apply_env, build_rules
+    from gateway.config.env_overrides import apply_env
+    from gateway.config.rules import build_rules
     from gateway.decide.chat import decide
     from gateway.decide.history import HistoryCache
     from gateway.measure.tokens import Tokenizers
     from gateway.policy.carry.snapshot import _extract_cached
-    from tests.bench_plan import ROOT
-    from tests.bench_plan import history as plan_history
+    from tests.perf.bench_plan import ROOT
+    from tests.perf.bench_plan import history as plan_history
 
     base = build_rules({"memory": {"enable_eviction": True, "budget": {
         "max_tokens": 6000, "max_chars": None, "max_messages": None, "max_turns": None},

@@ -80,7 +80,7 @@ def per_span(port: int, n: int = 20_000) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from gateway.config.rules import Upstream
+    from gateway.config.schema import Upstream
     from gateway.observe.otel import Tracing
     from gateway.observe.relayed import Relayed
     from gateway.wire.openai_chat import OPENAI_CHAT

@@ -33,7 +33,7 @@ from gateway.cli.mock_upstream import create_mock_app
 from gateway.config.rules import load_rules
 from gateway.observe import logging as mglog
 from gateway.observe.usage import UsageReader
-from gateway.proxy import handlers
+from gateway.proxy import chat_route
 from gateway.proxy.app import create_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ async def end_to_end(requests: int, rounds: int) -> None:
         gw = TestServer(create_app(load_rules(cfg, env), cfg, env))
         await gw.start_server()
         url = str(gw.make_url("")).rstrip("/")
-        original = handlers.relay
+        original = chat_route.relay
 
         async def unread(*a: Any, **kw: Any) -> Any:  # the relay as before usage reading
             kw["usage_wire"] = ""
@@ -133,14 +133,14 @@ async def end_to_end(requests: int, rounds: int) -> None:
                 took: dict[str, list[float]] = {"off": [], "on": []}
                 for n in range(requests * rounds * 2):  # on and off in turns, per request
                     mode = "off" if n % 2 else "on"
-                    handlers.relay = unread if mode == "off" else original  # type: ignore[assignment]
+                    chat_route.relay = unread if mode == "off" else original  # type: ignore[assignment]
                     t0 = time.thread_time()
                     async with s.post(url + path, data=raw, headers={
                             "Content-Type": "application/json",
                             "Authorization": "Bearer sk-bench"}) as r:
                         await r.read()
                     took[mode].append(time.thread_time() - t0)
-                handlers.relay = original  # type: ignore[assignment]
+                chat_route.relay = original  # type: ignore[assignment]
                 off, on = (statistics.median(took[m]) * 1e6 for m in ("off", "on"))
                 print(f"{name:24} {off:>8.0f} {on:>8.0f} {on - off:>8.0f} "
                       f"{(on - off) / off:>7.1%}")

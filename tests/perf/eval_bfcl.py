@@ -31,7 +31,8 @@ from typing import Any
 import orjson
 
 from gateway.config.rules import build_rules
-from gateway.decide.chat import Decision, current_turn_start, decide
+from gateway.decide.chat import decide
+from gateway.decide.decision import Decision, current_turn_start
 from gateway.measure.tokens import Tokenizers
 from tests.perf.shared_data import default_data_dir, require
 

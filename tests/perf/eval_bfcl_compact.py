@@ -39,7 +39,8 @@ from typing import Any
 import orjson
 
 from gateway.config.rules import SECTIONS, build_rules
-from gateway.decide.chat import current_turn_start, decide
+from gateway.decide.chat import decide
+from gateway.decide.decision import current_turn_start
 from gateway.measure.tokens import Tokenizers
 from gateway.policy.compact import MARK
 from gateway.wire.openai_chat import OPENAI_CHAT

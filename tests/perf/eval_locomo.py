@@ -44,8 +44,8 @@ from typing import Any
 import orjson
 import yaml
 
-from gateway.config.rules import Rules, build_rules
-from gateway.config.schema import StoreRules
+from gateway.config.rules import build_rules
+from gateway.config.schema import Rules, StoreRules
 from gateway.decide.chat import decide
 from gateway.measure.tokens import Tokenizers
 from gateway.memory.recall import recall

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai import AsyncOpenAI
 
-from gateway.config.rules import Rules, build_rules
+from gateway.config.rules import build_rules
+from gateway.config.schema import Rules
 from gateway.decide.chat import decide
 from gateway.measure.conversation import Conversation, Group
 from gateway.measure.tokens import Tokenizers

@@ -9,7 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.config.rules import Rules, build_rules, load_rules
+from gateway.config.rules import build_rules, load_rules
+from gateway.config.schema import Rules
 from gateway.decide.chat import decide
 from gateway.errors import BadRequest, OverBudget
 from gateway.measure.conversation import Unplannable

@@ -11,13 +11,16 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.config.rules import Rules, build_rules
-from gateway.decide.chat import Decision, decide
+from gateway.config.rules import build_rules
+from gateway.config.schema import Rules
+from gateway.decide.chat import decide
+from gateway.decide.decision import Decision
 from gateway.measure.conversation import is_active
 from gateway.measure.tokens import Tokenizers
 from gateway.policy import Limits, Plan, PlanRules
 from gateway.policy.compact import compact_text
-from gateway.policy.plan import _caps, _checkpoints, _State
+from gateway.policy.length import checkpoint_turns
+from gateway.policy.state import State, caps
 from gateway.wire import openai_chat
 from tests.strategies import conversation, memory_rules
 
@@ -421,8 +424,8 @@ def checkpoints_of(history: list[dict[str, Any]], limits: Limits, low_water: flo
     if memo is not None:
         conv.memo = memo
     n = len(conv.groups)
-    max_tokens, max_chars, max_messages = _caps(limits)
-    st_ = _State(
+    max_tokens, max_chars, max_messages = caps(limits)
+    st_ = State(
         conv=conv, rules=PlanRules(limits=limits, low_water=low_water),
         tokens_of=lambda i: openai_chat.message_tokens(history[i], counter()),
         count_tokens=limits.max_tokens is not None, decision=[None] * n,
@@ -431,7 +434,7 @@ def checkpoints_of(history: list[dict[str, Any]], limits: Limits, low_water: flo
     end = n
     while end and conv.groups[end - 1].turn == conv.n_turns:
         end -= 1
-    return _checkpoints(st_, end, 1.0 - low_water), conv
+    return checkpoint_turns(st_, end, 1.0 - low_water), conv
 
 
 def turn_sizes(conv: Any, history: list[dict[str, Any]]) -> dict[int, tuple[int, int, int]]:

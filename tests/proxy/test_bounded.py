@@ -366,8 +366,8 @@ def test_no_accepted_path_leaves_the_base(segments: list[str]) -> None:
     path once the upstream client (yarl) has built and normalised the URL."""
     import yarl
 
-    from gateway.config.rules import Upstream as Up
-    from gateway.config.rules import target_url
+    from gateway.config.schema import Upstream as Up
+    from gateway.config.schema import target_url
     from gateway.proxy.upstream import has_dot_segment
 
     path = "/" + "/".join(segments)

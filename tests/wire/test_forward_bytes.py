@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.measure.conversation import META_KEY
-from gateway.proxy import handlers
+from gateway.proxy import chat_route
 from gateway.wire import WIRES
 from gateway.wire.anthropic_messages import EPHEMERAL, UNMARKABLE
 from tests.conftest import CHAT_REPLY, GatewayFactory, Upstream
@@ -454,7 +454,7 @@ async def test_the_body_leaves_before_the_measuring(
     is with the transport: a measuring that holds the loop for 0.4 s does not hold the
     request (aiohttp writes a body in a task of its own, which a task started before it
     would precede), and it does run before the answer comes."""
-    real = handlers._measure
+    real = chat_route.measure
     started: list[float] = []
 
     async def slow(*args: Any, **kwargs: Any) -> Any:
@@ -462,7 +462,7 @@ async def test_the_body_leaves_before_the_measuring(
         time.sleep(0.4)  # CPU on the loop, as a big history's counting is
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(handlers, "_measure", slow)
+    monkeypatch.setattr(chat_route, "measure", slow)
     _Arrivals.arrived, _Arrivals.answered = [], []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Arrivals)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

@@ -9,7 +9,8 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.config.rules import Rules, build_rules
+from gateway.config.rules import build_rules
+from gateway.config.schema import Rules
 from gateway.decide.chat import decide
 from gateway.measure.tokens import Tokenizers
 from gateway.wire.anthropic_messages import ANTHROPIC_MESSAGES

@@ -192,7 +192,11 @@ class Fold:
         # turns of the last mentions ascend, so the refs still fresh are a suffix
         self.refs: dict[tuple[str, str], _Ref] = {}
         # the same order per ref type, the types themselves by their latest mention: a
-        # deictic looks at the last one or two refs of a type, not at every ref seen so far
+        # deictic looks at the last one or two refs of a type, not at every ref seen so far.
+        # The candidate a deictic did not choose leaves `refs` but keeps its place here (a
+        # key not in `refs`): it still stands between the older refs and the next deictic,
+        # so no deictic reaches past the last two places of a type and a checkpoint that
+        # forgot the older refs folds on exactly as one that kept them
         self.by_type: dict[str, dict[tuple[str, str], None]] = {}
         self.mentions = 0
         self.resolved: dict[str, str] = {}
@@ -237,14 +241,13 @@ class Fold:
         same[key] = None
         self.by_type[rtype] = same
 
-    def _forget(self, ref: _Ref) -> None:
-        key = (ref.type, ref.value)
+    def _forget(self, rtype: str, key: tuple[str, str]) -> None:
         self.refs.pop(key, None)
-        same = self.by_type.get(ref.type)
+        same = self.by_type.get(rtype)
         if same is not None:
             same.pop(key, None)
             if not same:
-                del self.by_type[ref.type]
+                del self.by_type[rtype]
 
     def prune(self, rules: CarryRules, turn: int) -> None:
         """Forget the refs that no snapshot from `turn` on can carry and no deictic can
@@ -267,10 +270,13 @@ class Fold:
             if ref.last_turn >= oldest:
                 break
             if ref.value not in live:
-                stale.append(ref)
-        for ref in stale:
-            if ref not in self._latest(ref.type, 2):
-                self._forget(ref)
+                stale.append((ref.type, (ref.type, ref.value)))
+        # the places of unchosen candidates, once past the last two of their type
+        stale += [(rtype, key) for rtype, same in self.by_type.items()
+                  for key in list(same)[:-2] if key not in self.refs]
+        for rtype, key in stale:
+            if key not in self._last_places(rtype, 2):
+                self._forget(rtype, key)
 
     def _named(self, output: bool) -> set[str]:
         """The ref values kept however old: what a resolved phrase names, and the output
@@ -280,14 +286,20 @@ class Fold:
             live.add(self.output_file)
         return live
 
-    def _latest(self, rtype: str, n: int) -> list[_Ref]:
-        """The last n refs of a type (fewer if there are not so many), oldest first."""
+    def _last_places(self, rtype: str, n: int) -> list[tuple[str, str]]:
+        """The keys in the last n places of a type, oldest first (an unchosen candidate's
+        place among them)."""
         same = self.by_type.get(rtype)
         if not same:
             return []
-        out = [self.refs[k] for k in islice(reversed(same), n)]
+        out = list(islice(reversed(same), n))
         out.reverse()
         return out
+
+    def _latest(self, rtype: str, n: int) -> list[_Ref | None]:
+        """The refs in the last n places of a type (fewer if there are not so many),
+        oldest first; None where an unchosen candidate keeps its place."""
+        return [self.refs.get(k) for k in self._last_places(rtype, n)]
 
     def _types_newest_first(self) -> list[str]:
         """The ref types by their latest mention, newest first."""
@@ -306,11 +318,13 @@ class Fold:
                     chosen, other = cands[-2], cands[-1]
                 else:
                     chosen, other = cands[-1], cands[-2]
+                if chosen is None:  # the place of a candidate already let go: no ref
+                    break
                 self.resolved[phrase] = chosen.value
                 self._mention(chosen.type, chosen.value, turn)
                 if other is not None:  # the unchosen candidate: keep only its identifier
                     self.dropped_candidates[other.value] = None
-                    self._forget(other)
+                    self.refs.pop((other.type, other.value), None)  # its place stays
                 return True
         self.ambiguous[phrase] = None
         return False

@@ -1,0 +1,158 @@
+"""The compact_tools stage applied to one request: old, bulky tool results shortened in
+place before the planner runs again.
+
+Which results may be compacted (not pinned, not unread by the model, not among the newest
+keep_recent), and the conversation's sizes and the planner's counts made those of the
+compacted items. Each item compacted, and each group made, is kept along the session so
+that a history compacted as before is not compacted, copied and counted again. No I/O,
+no logging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gateway.config.schema import CompactRules, Rules
+from gateway.decide.decision import Decision, current_turn_start
+from gateway.decide.history import tool_results
+from gateway.measure.conversation import Group
+from gateway.measure.tokens import TokenCounter
+from gateway.policy.compact import MARK, ToolResult, archive_id, compact_text, eligible, with_text
+
+
+def compactable(d: Decision, rules: Rules
+                ) -> tuple[dict[int, list[ToolResult]], dict[int, list[ToolResult]]]:
+    """The tool results compact_tools may shorten, per item; and those only keep_recent
+    holds whole (the model has answered them), which may be if whole they cannot fit."""
+    conv = d.conv
+    assert conv is not None
+    crules = rules.memory.eviction.compact
+    pins = frozenset(i for g in conv.pinned_groups for i, _ in conv.groups[g].pins)
+    items, role = d.messages, d.wire.item_role
+    # the results the model is to act on now: after its last item, in the current turn
+    # (one a later user message follows is history, as an answered one is)
+    unread = next((i + 1 for i in range(len(items) - 1, -1, -1)
+                   if role(items[i]) == "assistant"), 0)
+    unread = max(unread, current_turn_start(conv) or 0)
+    results = tool_results(d.view, d.wire, items, rules.shortcuts_off)  # resumed per session
+    todo: dict[int, list[ToolResult]] = {}
+    for r in eligible(results, crules, pins, unread):
+        todo.setdefault(r.index, []).append(r)
+    spare: dict[int, list[ToolResult]] = {}
+    if crules.keep_recent:
+        for r in eligible(results[-crules.keep_recent:], replace(crules, keep_recent=0),
+                          pins, unread):
+            spare.setdefault(r.index, []).append(r)
+    return todo, spare
+
+
+def compact(d: Decision, rules: Rules, todo: dict[int, list[ToolResult]],
+            archive_in: str | None) -> bool:
+    """The compact_tools stage, run when the plan had to drop (or could not fit): every
+    result of `todo` (compactable) compacted (each a function of its text, the rules and
+    the archiving tenant), the conversation's sizes and the planner's counts made those of
+    the compacted items; True if any was. An original the store would cut (over
+    max_chars_per_record) is not archived: the marker says so."""
+    conv = d.conv
+    assert conv is not None
+    crules = rules.memory.eviction.compact
+    items, room = d.messages, rules.store.max_chars_per_record
+    # the planner's memo (checkpoints, fill index, stable part) for compacted histories
+    # is their own, shared along the session like the client's: the same results compact
+    # the same way each request
+    shared: _Compacted = conv.memo.setdefault(("compacted",), _Compacted())
+    resume = "toolscan" not in rules.shortcuts_off  # else every item and group made anew
+    done, shared.items = shared.items if resume else {}, {}
+    shorter: dict[int, int] = {}  # item -> characters of text its results lost
+    chars, text_chars = list(conv.chars), list(conv.text_chars)
+    for i, results in todo.items():
+        rs = [(r, archive_id(archive_in, r.text) if archive_in and len(r.text) <= room
+               else None) for r in results]
+        item, key = items[i], tuple((r.path, aid) for r, aid in rs)
+        hit = done.get(id(item))
+        if (hit is None or hit.item is not item or hit.key != key or hit.rules is not crules
+                or hit.counter is not d.counter):
+            hit = _compact_item(d, item, key, rs, crules)
+        shared.items[id(item)] = hit
+        if hit.subs:
+            d.compacted[i] = list(hit.subs)
+            d.compact_tokens[i], chars[i] = hit.tokens, hit.chars
+            shorter[i] = hit.lost
+            text_chars[i] -= hit.lost  # only a result's text changed: the text it lost
+            for aid, original in hit.archived:
+                d.archived[aid] = (i, original)
+    if not d.compacted:
+        return False
+    made, shared.groups = shared.groups if resume else {}, {}
+    groups = []
+    for g in conv.groups:
+        if not any(i in d.compacted for i in g.indices):
+            groups.append(g)
+            continue
+        # a new group where a size changed (the session's cached ones keep their sums);
+        # the weights stay the client's, so stepped-cut checkpoints do not move. A group's
+        # chars are the text the model reads (the max_chars budget)
+        cut = tuple(shorter.get(i, 0) for i in g.indices)
+        was = made.get(id(g))
+        if was is not None and was[0] is g and was[1] == cut:
+            new = was[2]  # the same object as last request: the planner's memos hold
+        else:
+            new = replace(g, chars=g.chars - sum(cut), tokens=-1, tokens_key=None)
+        shared.groups[id(g)] = (g, cut, new)
+        groups.append(new)
+    d.conv = replace(conv, groups=groups, chars=chars, text_chars=text_chars,
+                     memo=shared.memo)
+    return True
+
+
+@dataclass(slots=True)
+class _Compacted:
+    """What a session's compacted histories share from request to request: the planner's
+    memo, and each compacted group made (id of the client's group -> (that group, the
+    characters each of its items lost, the group made)), so that a history compacted as
+    before is made of the same group objects, whose memos then hold (the fill's index,
+    the stable part, the checkpoints: each resumed only while its groups are the same
+    objects). Only the current request's groups are kept."""
+
+    memo: dict[Any, Any] = field(default_factory=dict)
+    groups: dict[int, tuple[Group, tuple[int, ...], Group]] = field(default_factory=dict)
+    items: dict[int, _CompactedItem] = field(default_factory=dict)  # id of the client's item
+
+
+@dataclass(frozen=True, slots=True)
+class _CompactedItem:
+    """One item's eligible results compacted: a function of the item, which of its
+    results are eligible (their paths, archive ids), the rules and the counter, kept
+    along the session so that an item compacted before is not compacted, copied and
+    counted again on every request."""
+
+    item: Any
+    key: tuple[tuple[tuple[str | int, ...], str | None], ...]
+    rules: CompactRules
+    counter: TokenCounter
+    subs: tuple[tuple[tuple[str | int, ...], str], ...]  # (path, compacted text)
+    tokens: int  # the item's, compacted
+    chars: int
+    lost: int  # characters of text its results lost
+    archived: tuple[tuple[str, str], ...]  # (archive id, original)
+
+
+def _compact_item(d: Decision, item: Any, key: Any, results: list[tuple[ToolResult, str | None]],
+                  crules: CompactRules) -> _CompactedItem:
+    subs, archived, lost = [], [], 0
+    for r, aid in results:
+        text = compact_text(r.text, crules, aid)
+        if text is not None:
+            subs.append((r.path, text))
+            lost += len(r.text) - len(text)
+            if aid is not None and MARK in text:  # excerpted, not only minified
+                archived.append((aid, r.text))
+    tokens = chars = 0
+    if subs:
+        new = item
+        for path, text in subs:
+            new = with_text(new, path, text)
+        tokens, chars = d.wire.item_tokens(new, d.counter), d.wire.item_chars(new)
+    return _CompactedItem(item, key, crules, d.counter, tuple(subs), tokens, chars, lost,
+                          tuple(archived))

@@ -1,0 +1,88 @@
+"""Every route the gateway does not intercept (models, files, embeddings, the Realtime
+websocket...): relayed to its upstream as is.
+
+No [mem] line: a short `relay` line and memgate_relayed_total by route class (never the
+raw path), and an HTTP span while tracing is on. A body with a Content-Length streams
+through unread; a chunked one is read within limits.max_body_bytes first.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from gateway.errors import GatewayError, Unauthorized
+from gateway.observe.metrics import route_class
+from gateway.observe.relayed import Relayed
+from gateway.proxy.appstate import STATE, GatewayState
+from gateway.proxy.error_answers import error_response, flavor_for
+from gateway.proxy.intake import admit, read_body
+from gateway.proxy.upstream import is_websocket, relay, relay_websocket
+
+if TYPE_CHECKING:  # the optional extra: imported only while tracing is on
+    from gateway.observe.otel import RequestSpan
+
+
+async def passthrough(request: web.Request) -> web.StreamResponse:
+    """Every other route: relayed as is, no [mem] line but a short `relay` line and
+    memgate_relayed_total (by route class, never the raw path); an HTTP span while
+    tracing is on."""
+    state: GatewayState = request.app[STATE]
+    t0 = time.perf_counter()
+    info = Relayed()
+    span = state.tracer.start(request, info, None) if state.tracer is not None else None
+    status = 499  # the client left before its answer
+    try:
+        resp = await _relay_as_is(request, state, info, span)
+        status = info.status or resp.status
+        return resp
+    finally:
+        if span is not None:
+            span.close(status)
+        route = route_class(request.path)
+        state.metrics.observe_relayed(route, status)
+        state.log.info("relay", method=request.method, route=route, path=request.path[:200],
+                       status=status, upstream_ms=round(info.upstream_ms, 2),
+                       bytes=info.bytes_out, ms=round((time.perf_counter() - t0) * 1000, 2))
+
+
+async def _relay_as_is(request: web.Request, state: GatewayState, info: Relayed,
+                       span: RequestSpan | None) -> web.StreamResponse:
+    """A body with a Content-Length is streamed through, whatever its size (never held:
+    a file upload is the provider's to bound, OpenAI's up to 512 MB); a chunked one is
+    read (up to limits.max_body_bytes) first."""
+    rules = state.rules
+    flavor = flavor_for(request)
+    up = rules.upstream_for(request.path, None, "anthropic-version" in request.headers)
+    try:
+        admit(rules, up, request)
+    except Unauthorized as err:
+        return error_response(err, flavor)
+    if is_websocket(request):  # the Realtime API's connect(): relayed message by message
+        try:
+            return await relay_websocket(request, state.pool, up, info,
+                                         rules.tenants.credential_headers)
+        except GatewayError as err:
+            return error_response(err, flavor)
+    declared = request.content_length
+    body: Any = None
+    extra = None
+    if declared is not None:  # streamed through as it arrives
+        extra = {"Content-Length": str(declared)}
+        body = request.content if request.body_exists else None
+    elif request.body_exists:
+        # chunked, no declared length: read up to the limit first, so a body over it is a
+        # clean 413 and the upstream never sees half a request
+        try:
+            body = await read_body(request, rules.max_body_bytes, decode=False)
+        except GatewayError as err:
+            return error_response(err, flavor)
+    if span is not None:
+        extra = {**(extra or {}), **span.upstream(request, up)}
+    try:
+        return await relay(request, state.pool, up, body, info, extra,
+                           rules.tenants.credential_headers)
+    except GatewayError as err:
+        return error_response(err, flavor)
