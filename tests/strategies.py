@@ -28,11 +28,18 @@ def meta(draw: st.DrawFn) -> dict[str, Any] | None:
     return {"pin": True, "ttl": draw(st.integers(0, 4))}
 
 
+# the client context agents open a session with (memory.context.prefixes' defaults)
+CONTEXT = ["<system-reminder>CLAUDE.md: run the tests</system-reminder>",
+           "<environment_context><cwd>/repo</cwd></environment_context>"]
+
+
 @st.composite
 def message(draw: st.DrawFn, role: str, **extra: Any) -> dict[str, Any]:
     body = draw(text())
     if draw(st.integers(0, 9)) == 0:
         body = "[PIN] " + body
+    elif role == "user" and draw(st.integers(0, 14)) == 0:  # later: ordinary history
+        body = draw(st.sampled_from(CONTEXT)) + " " + body
     m: dict[str, Any] = {"role": role, "content": body, **extra}
     md = draw(meta())
     if md is not None:
@@ -60,6 +67,8 @@ def conversation(draw: st.DrawFn, max_turns: int = 12) -> list[dict[str, Any]]:
     for _ in range(draw(st.integers(0, 2))):
         msgs.append({"role": draw(st.sampled_from(["system", "developer"])),
                      "content": draw(text(10))})
+    for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):  # the client's opening context
+        msgs.append({"role": "user", "content": draw(st.sampled_from(CONTEXT)) + draw(text(6))})
     n_turns = draw(st.integers(1, max_turns))
     for t in range(1, n_turns + 1):
         msgs.append(draw(message("user")))

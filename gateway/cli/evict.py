@@ -117,12 +117,15 @@ async def _recall_offline(d: Any, rules: Rules, env: Mapping[str, str], payload:
     """The same recall the server does (store + the turns being dropped)."""
     from gateway.decide.chat import decide
     from gateway.memory.recall import recall
-    from gateway.memory.session import session_id, tenant_of
+    from gateway.memory.session import tenant_of
+    from gateway.memory.session_sources import first_named
     from gateway.memory.store import make_store
 
     tenant = tenant_of({"Authorization": f"Bearer {env.get('OPENAI_API_KEY', '')}"},
                        rules.tenants)
-    session = session_id({}, rules.session_header, payload, tenant, "", "")
+    body = payload if isinstance(payload, dict) else {}
+    session = first_named(rules.session_id_from, {}, body, wire.items(body), tenant,
+                          rules.memory.context_prefixes)[0]
     if tenant is None:  # no key: only the turns being dropped, as the server would
         recalled = await recall(None, rules.store, "", session, d)
     else:

@@ -18,12 +18,14 @@ import yaml
 from gateway.config.carry import CarryPatterns
 from gateway.config.schema import CarryRules
 from gateway.config.yamlfile import yaml_error_line
-from gateway.policy.carry.snapshot import Message, build_snapshot
+from gateway.policy.carry import Message, ToolCall, build_snapshot
 
 Expectations = dict[int, dict[str, Any]]
 
 
 def load_session(path: Path) -> list[Message]:
+    """One message a line: turn, role, text, and an assistant's tool calls (optional
+    `calls`: [{name, arguments}], the arguments an object or its JSON text)."""
     out = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -31,8 +33,18 @@ def load_session(path: Path) -> list[Message]:
         rec = orjson.loads(line)
         if not isinstance(rec, dict) or not {"turn", "role", "text"} <= set(rec):
             raise ValueError(f"{path}:{n}: each line needs turn, role and text")
-        out.append(Message(int(rec["turn"]), str(rec["role"]), str(rec["text"])))
+        calls = rec.get("calls") or []
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+            raise ValueError(f"{path}:{n}: calls must be a list of {{name, arguments}}")
+        out.append(Message(int(rec["turn"]), str(rec["role"]), str(rec["text"]),
+                           tuple(map(_call, calls))))
     return out
+
+
+def _call(c: dict[str, Any]) -> ToolCall:
+    args = c.get("arguments", {})
+    return ToolCall(c["name"], args if isinstance(args, str) else orjson.dumps(args).decode())
 
 
 def load_expectations(path: Path) -> Expectations:

@@ -26,7 +26,7 @@ from gateway.config.schema import Rules
 from gateway.decide.chat import decide
 from gateway.errors import GatewayError
 from gateway.measure.tokens import Tokenizers
-from gateway.memory.session import session_id
+from gateway.memory.session_sources import first_named
 from gateway.observe.capture import SIDE_MEANS, is_capture, unwrap, wire_named
 from gateway.wire import sniff
 
@@ -214,13 +214,9 @@ def _measure_body(report: Report, where: str, raw: bytes, rec: dict[str, Any],
         report.skipped.append(f"{where}: {d.skip_reason}")
         return
     msgs = d.messages
-    if session is None:
-        first_user = next((m.get("content") for m in msgs
-                           if isinstance(m, dict) and m.get("role") == "user"), "")
-        system = rec.get("system") or next(
-            (m.get("content") for m in msgs
-             if isinstance(m, dict) and m.get("role") in ("system", "developer")), "")
-        session = session_id({}, "X-Session-Id", rec, "offline", str(system), str(first_user))
+    if session is None:  # what the gateway would name it, from the body alone
+        session = first_named(measuring.session_id_from, {}, rec, msgs, "offline",
+                              measuring.memory.context_prefixes)[0]
     tokens = d.est_tokens()
     report.samples.append(Sample(session, len(msgs), d.hist_chars(), tokens))
     report.payloads += 1

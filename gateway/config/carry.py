@@ -14,6 +14,7 @@ from typing import Any
 
 import ahocorasick_rs
 
+from gateway.config.carry_calls import SHIPPED_CALLS, CallRules, load_call_rules
 from gateway.config.yamlfile import load_yaml
 from gateway.errors import RulesError
 
@@ -37,6 +38,7 @@ class CarryPatterns:
     small_talk: re.Pattern[str]
     output_verbs: re.Pattern[str]
     note: str
+    calls: CallRules = SHIPPED_CALLS  # how agents' tool calls are read (`tool_calls`)
     # False (MEMGATE_SHORTCUTS_OFF=prefilter): every regex runs on every text; the same
     # matches, only slower
     prefilter_on: bool = True
@@ -341,7 +343,8 @@ def load_carry_patterns(path: Path) -> CarryPatterns:
     data, _ = load_yaml(path)  # within bounds: it is hot-reloaded with the config
     if not isinstance(data, dict):
         raise RulesError(file, None, "<file>", "must be a mapping")
-    unknown = set(data) - {"refs", "deictics", "task_state", "small_talk", "output_verbs", "note"}
+    unknown = set(data) - {"refs", "deictics", "task_state", "small_talk", "output_verbs", "note",
+                           "tool_calls"}
     if unknown:
         raise RulesError(file, None, sorted(unknown)[0], "unknown key")
     refs = []
@@ -381,4 +384,5 @@ def load_carry_patterns(path: Path) -> CarryPatterns:
         small_talk=_compile(file, "small_talk", data.get("small_talk")),
         output_verbs=_compile(file, "output_verbs", data.get("output_verbs")),
         note=note,
+        calls=load_call_rules(file, data.get("tool_calls")),
     )

@@ -33,7 +33,8 @@ def effective_config(rules: Rules) -> dict[str, Any]:
                    "admin_port": rules.listen_admin_port, "admin_host": rules.listen_admin_host},
         "logging": {"format": rules.log_format, "level": rules.log_level},
         "limits": {"max_body_bytes": rules.max_body_bytes},
-        "session": {"header": rules.session_header, "max_tracked": rules.max_tracked_sessions,
+        "session": {"id_from": list(rules.session_id_from),
+                    "max_tracked": rules.max_tracked_sessions,
                     "history_cache_mb": rules.history_cache_mb},
         "tokens": {"cache_size": rules.token_cache_size, "models_file": rules.models_path,
                    "approx_factor": rules.approx_token_factor},
@@ -71,6 +72,7 @@ def _memory(m: Memory, carry_path: str | None) -> dict[str, Any]:
                                "target_chars", "max_line"),
         },
         "markers": _fields(m.markers, "system_prefix", "min_score", "on_bad_metadata"),
+        "context": {"prefixes": list(m.context_prefixes)},
     }
     if carry_path is not None:  # no carry section: none printed (carry stays off)
         c = m.carry
@@ -84,7 +86,7 @@ def _memory(m: Memory, carry_path: str | None) -> dict[str, Any]:
 
 
 def _upstream(u: Upstream) -> dict[str, Any]:
-    out = _fields(u, "name", "base_url", "paths", "models", "connect_timeout_s",
+    out = _fields(u, "name", "base_url", "paths", "models", "wire", "connect_timeout_s",
                   "read_timeout_s", "api_key_header")
     if u.api_key_env is not None:
         out["api_key_env"] = u.api_key_env

@@ -21,6 +21,8 @@ from gateway.config.companions import companion_path, load_companion, load_model
 from gateway.config.env_overrides import apply_env
 from gateway.config.reader import Lines, Reader, read_yaml
 from gateway.config.schema import (
+    CONTEXT_PREFIXES,
+    SESSION_ID_FROM,
     Budget,
     CaptureRules,
     CarryRules,
@@ -46,6 +48,8 @@ from gateway.config.validate import (
     check_key_hashes,
     check_max_tokens,
     check_order,
+    check_prefixes,
+    check_session_sources,
     check_str,
     check_str_list,
     check_tag_tuple,
@@ -64,7 +68,8 @@ SECTIONS: dict[str, frozenset[str]] = {
                    "capture", "store", "state", "tenants", "tracing",
                    "console"}),
     "memory": frozenset({"enable_eviction", "shadow", "budget", "eviction", "markers", "carry",
-                         "write", "fallback_original", "fallback_backoff_s"}),
+                         "write", "fallback_original", "fallback_backoff_s", "context"}),
+    "memory.context": frozenset({"prefixes"}),
     "memory.budget": frozenset({"max_tokens", "max_chars", "max_messages", "max_turns",
                                 "safety_ratio", "reserve_output_tokens"}),
     "memory.eviction": frozenset({"order", "keep_pinned", "max_pinned", "drop_unit",
@@ -78,11 +83,12 @@ SECTIONS: dict[str, frozenset[str]] = {
     "memory.carry.drop_when": frozenset({"task_closed", "no_pending_reference",
                                          "small_talk_only"}),
     "upstreams[]": frozenset({"name", "base_url", "paths", "models", "connect_timeout_s",
-                              "read_timeout_s", "api_key_env", "api_key_header", "proxy"}),
+                              "read_timeout_s", "api_key_env", "api_key_header", "proxy",
+                              "wire"}),
     "listen": frozenset({"host", "port", "admin_port", "admin_host"}),
     "logging": frozenset({"format", "level"}),
     "limits": frozenset({"max_body_bytes"}),
-    "session": frozenset({"header", "max_tracked", "history_cache_mb"}),
+    "session": frozenset({"id_from", "header", "max_tracked", "history_cache_mb"}),
     "tokens": frozenset({"cache_size", "models_file", "approx_factor"}),
     "capture": frozenset({"enabled", "dir", "sample_rate", "max_files", "around_change"}),
     "store": frozenset({"backend", "path", "dsn_env", "write_granularity", "session_scope",
@@ -178,6 +184,8 @@ def _parse_memory(r: Reader, data: Any, base_dir: Path) -> tuple[Memory, str | N
         on_bad_metadata=r.get(k, "memory.markers", "on_bad_metadata",
                               check_str(("reject", "ignore")), dk.on_bad_metadata),
     )
+    c = r.section(m.get("context"), "memory.context")
+    context_prefixes = r.get(c, "memory.context", "prefixes", check_prefixes, CONTEXT_PREFIXES)
     # memory.write is the seed's name (000) for memory.carry: one section, two spellings
     carry_key = "memory.carry"
     if "write" in m:
@@ -194,6 +202,7 @@ def _parse_memory(r: Reader, data: Any, base_dir: Path) -> tuple[Memory, str | N
         budget=budget,
         eviction=eviction,
         markers=markers,
+        context_prefixes=context_prefixes,
         carry=carry,
         carry_patterns=patterns,
         fallback_original=r.get(m, "memory", "fallback_original", check_bool, True),
@@ -277,8 +286,9 @@ def _parse_upstreams(r: Reader, data: Any) -> tuple[Upstream, ...]:
         for required in ("name", "base_url"):
             if required not in u:
                 raise r.fail(key, f"missing required key {required!r}")
+        name = r.get(u, key, "name", check_str(), "")
         up = Upstream(
-            name=r.get(u, key, "name", check_str(), ""),
+            name=name,
             base_url=r.get(u, key, "base_url", check_base_url, ""),
             paths=r.get(u, key, "paths", check_str_list, ("/*",)),
             models=r.get(u, key, "models", check_str_list, ()),
@@ -290,6 +300,9 @@ def _parse_upstreams(r: Reader, data: Any) -> tuple[Upstream, ...]:
                 "authorization"
             ),
             proxy=r.get(u, key, "proxy", check_base_url, None),
+            # unset: the API the two upstreams the gateway names speak, else both
+            wire=r.get(u, key, "wire", check_str(("openai", "anthropic", "any")),
+                       name if name in ("openai", "anthropic") else "any"),
         )
         if up.name in names:
             raise r.fail(f"{key}.name", f"duplicate upstream name {up.name!r}")
@@ -360,7 +373,7 @@ def build_rules(
             logging_, "logging", "level", check_str(("debug", "info", "warning", "error")), "info"
         ),
         max_body_bytes=r.get(limits, "limits", "max_body_bytes", check_int(1024), 32 * 1024 * 1024),
-        session_header=r.get(session, "session", "header", check_str(), "X-Session-Id"),
+        session_id_from=_session_id_from(r, session),
         max_tracked_sessions=r.get(session, "session", "max_tracked", check_int(1), 10_000),
         history_cache_mb=r.get(session, "session", "history_cache_mb", check_int(0), 256),
         token_cache_size=r.get(tokens, "tokens", "cache_size", check_int(0), 200_000),
@@ -378,7 +391,42 @@ def build_rules(
         models_path=str(mpath),
         carry_path=carry_path,
     )
+    _refuse_credential_sources(r, rules, session)
     return rules
+
+
+def _session_id_from(r: Reader, session: dict[str, Any]) -> tuple[str, ...]:
+    """session.id_from; `session.header`, the older spelling, names the header of its
+    first source (the default order otherwise). Both at once is refused: which one
+    meant the order?"""
+    if "header" not in session:
+        sources: tuple[str, ...] = r.get(session, "session", "id_from", check_session_sources,
+                                         SESSION_ID_FROM)
+        return sources
+    if "id_from" in session:
+        raise r.fail("session.header", "session.id_from is given too: list the header there "
+                                       "(header:<Name>, where it belongs in the order) and "
+                                       "remove session.header, its older spelling")
+    name = r.get(session, "session", "header", check_header_names, ())
+    if len(name) != 1:
+        raise r.fail("session.header", f"must be one HTTP header name, got {session['header']!r}")
+    try:  # the same checks as id_from's (a header carrying the key, a duplicate)
+        return check_session_sources([f"header:{name[0]}", *SESSION_ID_FROM[1:]])
+    except ValueError as exc:
+        raise r.fail("session.header", str(exc)) from None
+
+
+def _refuse_credential_sources(r: Reader, rules: Rules, session: dict[str, Any]) -> None:
+    """No session source may read a header tenants.credential_headers names: it carries
+    the caller's key, and a session id is written on every [mem] line."""
+    keys = {h.lower() for h in rules.tenants.credential_headers}
+    for i, source in enumerate(rules.session_id_from):
+        kind, _, header = source.partition(":")
+        if kind == "header" and header.lower() in keys:
+            key = "session.header" if "header" in session else "session.id_from"
+            raise r.fail(key, f"entry {i} ({source!r}) reads a header tenants.credential_headers "
+                              "names: it carries the caller's key, and a session id is written "
+                              "on every [mem] line")
 
 
 def _admin_port(r: Reader, listen: dict[str, Any]) -> int | None:

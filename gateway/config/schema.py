@@ -18,8 +18,13 @@ from urllib.parse import urlsplit
 from gateway.config.carry import CarryPatterns
 
 Boundary = Literal["closed", "half_open"]
+# the API an upstream speaks (`any`: both); a request's own is "openai" or "anthropic"
+UpstreamWire = Literal["openai", "anthropic", "any"]
 SEED_KEEP = ("task_state", "resolved_refs", "confirmed_constraints", "output_file")
-ALL_FIELDS = (*SEED_KEEP, "refs", "tool_results", "dropped_candidates", "ambiguous")
+# what an agent's tool calls leave (only sessions with tool calls have them)
+AGENT_KEEP = ("workdir", "conclusion", "files_written", "files_touched")
+ALL_FIELDS = (*SEED_KEEP, *AGENT_KEEP, "refs", "tool_results", "dropped_candidates",
+              "ambiguous")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +43,7 @@ class CompactRules:
 @dataclass(frozen=True, slots=True)
 class CarryRules:
     enabled: bool = True
-    keep_fields: tuple[str, ...] = SEED_KEEP
+    keep_fields: tuple[str, ...] = (*SEED_KEEP, *AGENT_KEEP)
     task_closed: bool = True
     no_pending_reference: bool = True
     small_talk_only: bool = True
@@ -112,6 +117,13 @@ class Markers:
     on_bad_metadata: Literal["reject", "ignore"] = "ignore"
 
 
+# the text that opens the client context agents send in a session's first user messages
+# (memory.context.prefixes): Claude Code's reminders (CLAUDE.md, the date, agent lists),
+# Codex's environment context and AGENTS.md / user instructions
+CONTEXT_PREFIXES = ("<system-reminder>", "<environment_context>", "<user_instructions>",
+                    "# AGENTS.md instructions")
+
+
 @dataclass(frozen=True, slots=True)
 class Memory:
     enable_eviction: bool = False
@@ -119,6 +131,9 @@ class Memory:
     budget: Budget = field(default_factory=Budget)
     eviction: Eviction = field(default_factory=Eviction)
     markers: Markers = field(default_factory=Markers)
+    # a user message before the history's first reply holding a text that starts with
+    # one of these is the client's context: kept like the system prompt, not a turn
+    context_prefixes: tuple[str, ...] = CONTEXT_PREFIXES
     carry: CarryRules = field(default_factory=lambda: CarryRules(enabled=False))
     carry_patterns: CarryPatterns | None = None
     # a body the gateway changed (evicted, note added, metadata cut) that the upstream
@@ -146,6 +161,10 @@ class Upstream:
     api_key_env: str | None = None  # inject this env var's key instead of the client's
     api_key_header: Literal["authorization", "x-api-key", "api-key"] = "authorization"
     proxy: str | None = None  # egress HTTP proxy for this upstream
+    # the API it speaks: a request known to speak another one goes elsewhere when an
+    # upstream of its own is configured (Rules.upstream_for), so that its key never
+    # reaches another provider; `any`: a gateway that speaks both (LiteLLM, a mock)
+    wire: UpstreamWire = "any"
 
     def serves(self, path: str, model: str | None) -> bool:
         if not any(fnmatch.fnmatchcase(path, p) for p in self.paths):
@@ -153,6 +172,10 @@ class Upstream:
         if self.models and model is not None:
             return any(fnmatch.fnmatchcase(model, m) for m in self.models)
         return not self.models
+
+    def speaks(self, wire: str | None) -> bool:
+        """May a request of this wire (None: not known) come here?"""
+        return wire is None or self.wire == "any" or self.wire == wire
 
 
 def target_url(up: Upstream, path_qs: str) -> str:
@@ -203,6 +226,24 @@ class StateRules:
     retry_after_s: float = 5.0
 
 
+# the sources `session.id_from` may name besides `header:<Name>`: what each takes is in
+# gateway/memory/session_sources.py and docs/configuration.md
+SESSION_SOURCES = ("metadata.session_id", "metadata.user_id.session_id",
+                   "client_metadata.session_id", "previous_response_id", "conversation",
+                   "prompt_cache_key", "user", "fingerprint")
+# the gateway's own ids first (a caller that names its session means it), then what Claude
+# Code and Codex send (each names its own session), Responses' server-side threads, a
+# cache key (often shared by many sessions of one prompt), the end user (all of a user's
+# sessions), and the fingerprint of the conversation's opening for the rest
+SESSION_ID_FROM = (
+    "header:X-Session-Id", "metadata.session_id",
+    "header:X-Claude-Code-Session-Id", "metadata.user_id.session_id",
+    "header:session-id", "header:session_id", "header:conversation_id",
+    "client_metadata.session_id", "previous_response_id", "conversation",
+    "prompt_cache_key", "user", "fingerprint",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class TenantRules:
     """Who a caller is (session.py reads these): the extra headers that carry its key,
@@ -241,9 +282,10 @@ class TracingRules:
 class Rules:
     memory: Memory = field(default_factory=Memory)
     upstreams: tuple[Upstream, ...] = (
-        Upstream("anthropic", "https://api.anthropic.com", paths=("/v1/messages*",),
-                 api_key_header="x-api-key"),
-        Upstream("openai", "https://api.openai.com"),
+        # "/": Claude Code's start-up `HEAD /` (Bun's preconnect) carries no header
+        Upstream("anthropic", "https://api.anthropic.com", paths=("/v1/messages*", "/"),
+                 api_key_header="x-api-key", wire="anthropic"),
+        Upstream("openai", "https://api.openai.com", wire="openai"),
     )
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
@@ -253,7 +295,8 @@ class Rules:
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
     max_body_bytes: int = 32 * 1024 * 1024
-    session_header: str = "X-Session-Id"
+    # where a request's session id comes from, first match wins (session.id_from)
+    session_id_from: tuple[str, ...] = SESSION_ID_FROM
     max_tracked_sessions: int = 10_000
     history_cache_mb: int = 256
     # request-path shortcuts turned off (MEMGATE_SHORTCUTS_OFF): same decisions, more work
@@ -287,21 +330,30 @@ class Rules:
         return any(u.models for u in self.upstreams)
 
     def upstream_for(self, path: str, model: str | None = None,
-                     anthropic: bool = False) -> Upstream:
-        """First upstream serving this path (and model); else the default one. A request
-        of Anthropic's SDK (`anthropic`: it sends anthropic-version) that would go to
-        the OpenAI-compatible default goes to the upstream named `anthropic` if there
-        is one: /v1/models or /v1/files of Anthropic's API, never with its key to
-        another provider."""
-        key = ("upstream", path, model, anthropic)
+                     wire: str | None = None) -> Upstream:
+        """Where a request goes, always one of the configured upstreams. `wire`: the API
+        the request is known to speak (`anthropic`: the Messages route, or Anthropic's
+        headers; `openai`: a chat completions or Responses route; None: not known). The
+        first upstream whose `paths` (and `models`) serve the request and which speaks
+        its wire; else the default one if it speaks it; else the first upstream
+        declaring that wire (Anthropic's /v1/models, files, `HEAD /`: never with its key
+        to another provider). With no upstream of that wire configured, or the wire not
+        known: by path alone, as the config lists them, else the default one."""
+        key = ("upstream", path, model, wire)
         up: Upstream | None = self.memo.get(key)
         if up is None:
-            default = self.default_upstream
-            up = next((u for u in self.upstreams if u.serves(path, model)), default)
-            if anthropic and up is default:
-                up = next((u for u in self.upstreams if u.name == "anthropic"), up)
+            up = self._route(path, model, wire)
             self.remember(key, up)
         return up
+
+    def _route(self, path: str, model: str | None, wire: str | None) -> Upstream:
+        default = self.default_upstream
+        by_path = [u for u in self.upstreams if u.serves(path, model)]
+        if wire is not None and any(u.wire == wire for u in self.upstreams):
+            return next((u for u in by_path if u.speaks(wire)),
+                        default if default.speaks(wire)
+                        else next(u for u in self.upstreams if u.wire == wire))
+        return by_path[0] if by_path else default
 
     @property
     def default_upstream(self) -> Upstream:

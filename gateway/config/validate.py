@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from gateway.config.schema import ALL_FIELDS, STAGES
+from gateway.config.schema import ALL_FIELDS, SESSION_SOURCES, STAGES
 
 MAX_ID_CHARS = 256  # ids and tags are index keys (a PostgreSQL b-tree entry is <= ~2.7 KB)
 MAX_TAGS = 100
@@ -92,6 +92,23 @@ def check_str_list(v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
+MAX_PREFIXES = 32
+MAX_PREFIX_CHARS = 256
+
+
+def check_prefixes(v: Any) -> tuple[str, ...]:
+    """Distinct non-empty text prefixes, a bounded few (each is tried on the opening user
+    messages of every request)."""
+    if not isinstance(v, list) or not all(isinstance(x, str) and x.strip() for x in v):
+        raise ValueError(f"must be a list of non-empty strings, got {v!r}")
+    if len(v) > MAX_PREFIXES:
+        raise ValueError(f"at most {MAX_PREFIXES} prefixes, got {len(v)}")
+    for x in v:
+        if len(x) > MAX_PREFIX_CHARS:
+            raise ValueError(f"a prefix is at most {MAX_PREFIX_CHARS} characters")
+    return tuple(dict.fromkeys(x.strip() for x in v))
+
+
 def check_max_tokens(v: Any) -> int | Literal["auto"] | None:
     if v == "auto":
         return "auto"
@@ -162,6 +179,42 @@ def check_header_names(v: Any) -> tuple[str, ...]:
         if not _HEADER.fullmatch(n):
             raise ValueError(f"{n!r} is not an HTTP header name")
     return names
+
+
+# headers that carry a caller's secret: a session id is written on every [mem] line
+_SECRET_HEADERS = frozenset(("authorization", "proxy-authorization", "x-api-key", "api-key",
+                             "cookie"))
+
+
+def check_session_sources(v: Any) -> tuple[str, ...]:
+    """session.id_from: distinct sources, each `header:<Name>` or a named one, ending with
+    `fingerprint` (the id of a request no other source names); no header that carries a
+    secret."""
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ValueError(f"must be a list of sources ending with fingerprint, got {v!r}")
+    seen: set[str] = set()
+    for i, name in enumerate(v):
+        kind, colon, header = name.partition(":")
+        if colon and (kind != "header" or not _HEADER.fullmatch(header)):
+            raise ValueError(f"entry {i} ({name!r}): a header source is header:<Name>, "
+                             "with an HTTP header name")
+        if colon and header.lower() in _SECRET_HEADERS:
+            raise ValueError(f"entry {i} ({name!r}): that header carries the caller's key or "
+                             "cookie, and a session id is written on every [mem] line")
+        if not colon and name not in SESSION_SOURCES:
+            raise ValueError(f"entry {i}: unknown source {name!r}; the sources are "
+                             f"header:<Name>, {', '.join(SESSION_SOURCES)}")
+        same = name.lower() if colon else name  # header names are case-insensitive
+        if same in seen:
+            raise ValueError(f"entry {i}: {name!r} is listed twice")
+        seen.add(same)
+    if "fingerprint" not in seen:
+        raise ValueError("must end with fingerprint: a request no other source names gets "
+                         "the fingerprint of its conversation's opening")
+    if v[-1] != "fingerprint":
+        raise ValueError(f"fingerprint must be the last entry: {v[-1]!r} after it is never "
+                         "read (every request has a fingerprint)")
+    return tuple(v)
 
 
 def check_tenant_name(v: Any) -> str | None:

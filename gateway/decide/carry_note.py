@@ -15,9 +15,9 @@ from typing import Any
 
 from gateway.config.schema import CarryRules, Rules
 from gateway.decide.decision import Decision
-from gateway.policy import Limits, PlanRules
+from gateway.policy import PlanRules
 from gateway.policy.carry import Fold, render_note
-from gateway.policy.carry.snapshot import DEFAULT_NOTE
+from gateway.policy.carry.note import DEFAULT_NOTE
 
 
 def note_room(
@@ -62,11 +62,11 @@ def minus_note(prules: PlanRules, d: Decision) -> PlanRules:
     """The plan's rules with the carry note's cost taken off every budget limit."""
     lim = prules.limits
     tokens, chars, messages = d.note_cost()
-    return replace(prules, limits=Limits(
+    return replace(prules, limits=replace(
+        lim,
         max_tokens=None if lim.max_tokens is None else max(1, lim.max_tokens - tokens),
         max_chars=None if lim.max_chars is None else max(1, lim.max_chars - chars),
         max_messages=None if lim.max_messages is None else max(1, lim.max_messages - messages),
-        max_turns=lim.max_turns,
     ))
 
 
@@ -98,6 +98,9 @@ def _fold(d: Decision, items: list[Any], patterns: Any, carry: CarryRules) -> Fo
             fold.prune(carry, turn_of[i])  # what this request's snapshot and later ones need
             entry.fold, pause = fold.copy(), None
         fold.add_text(turn_of[i], wire.item_role(items[i]), wire.item_text(items[i]))
+        calls = wire.item_calls(items[i])  # an agent's tool calls: what they touched
+        if calls:
+            fold.add_calls(turn_of[i], calls)
     if pause is not None and entry is not None:
         entry.fold = fold  # nothing more is folded into it here: the snapshot only reads
     return fold

@@ -71,6 +71,8 @@ def plan_rules(rules: Rules, max_tokens: int | None) -> PlanRules:
             max_chars=m.budget.max_chars,
             max_messages=m.budget.max_messages,
             max_turns=m.budget.max_turns,
+            # auto is the model's window: the whole request has to fit it
+            tokens_whole=m.budget.max_tokens == "auto",
         ),
         # compact_tools runs around the planner (compact_tools.py), not as one of its stages
         order=tuple(s for s in m.eviction.order if s != "compact_tools"),
@@ -164,16 +166,17 @@ def _parse(d: Decision, rules: Rules, wire: Wire, items: list[Any],
     ignored (cut out, logged), or refused with BadRequest when eviction is on and the
     rules say reject."""
     markers = rules.memory.markers
+    context = rules.memory.context_prefixes
     try:
         if d.skip_reason is not None:  # never planned: the session's cache saves nothing
             d.conv = wire.parse_continuation(items, markers.system_prefix, markers.min_score)
         elif history is not None and key is not None:
             d.view = history.parse(key, wire, items, rules, len(d.raw), markers.system_prefix,
-                                   markers.min_score)
+                                   markers.min_score, context)
             d.conv = d.view.conv
             d.reuse_counts()
         else:
-            d.conv = wire.parse(items, markers.system_prefix, markers.min_score)
+            d.conv = wire.parse(items, markers.system_prefix, markers.min_score, context)
     except Unplannable as exc:
         d.skip_reason = exc.reason
         return False
@@ -186,7 +189,7 @@ def _parse(d: Decision, rules: Rules, wire: Wire, items: list[Any],
         d.bad_metadata = reason
         try:
             d.conv = wire.parse(_without_bad_metadata(items), markers.system_prefix,
-                                markers.min_score)
+                                markers.min_score, context)
         except Unplannable as unplannable:
             d.skip_reason = unplannable.reason
             return False
@@ -219,7 +222,7 @@ def _plan(d: Decision, rules: Rules, items: list[Any], recalled: list[str] | Non
     d.plan = plan(d.conv, prules, d.message_tokens, overhead_tokens=overhead,
                   tokens_upper_bound=bound, tokens_key=counted_by,
                   text_of=None if probe else text_of, reserve=None if probe else room,
-                  tokens_exact=exact)
+                  tokens_exact=exact, cuttable=todo)
     # over budget with nothing to drop: an agent loop's one long current turn
     if probe and (d.plan.dropped or d.plan.over_budget):
         client_conv = d.conv
@@ -227,7 +230,8 @@ def _plan(d: Decision, rules: Rules, items: list[Any], recalled: list[str] | Non
             compacted = compact(d, rules, todo, archive_in)
             counts = d.planned_tokens if compacted else d.message_tokens
             d.plan = plan(d.conv, prules, counts, overhead_tokens=overhead,
-                          tokens_key=counted_by, text_of=text_of, reserve=room)
+                          tokens_key=counted_by, text_of=text_of, reserve=room,
+                          cuttable=todo)
             # keep_recent holds the newest results whole, but not at the price of
             # their turn: those the plan dropped are compacted too, and planned again
             lost = {i: rs for i, rs in spare.items() if not _holds(d.plan.kept, i)}
@@ -248,17 +252,18 @@ def _plan(d: Decision, rules: Rules, items: list[Any], recalled: list[str] | Non
         narrower = minus_note(prules, d)
         if not _fits(d.plan, narrower.limits):
             d.plan = plan(d.conv, narrower, d.planned_tokens, overhead_tokens=overhead,
-                          tokens_key=counted_by, text_of=text_of)
+                          tokens_key=counted_by, text_of=text_of, cuttable=todo)
     if (
         d.mode == "on"
         and d.plan.over_budget
         and rules.memory.eviction.on_over_budget == "reject"
     ):
         raise OverBudget(
-            "the system prompt, pinned messages and the current turn alone exceed the "
-            f"gateway's history budget (max_tokens={d.budget_tokens}, "
-            f"max_chars={rules.memory.budget.max_chars}, "
-            f"max_messages={rules.memory.budget.max_messages}); shorten the current turn"
+            "the pinned messages alone exceed the gateway's history budget "
+            f"(max_tokens={d.budget_tokens}, max_chars={rules.memory.budget.max_chars}, "
+            f"max_messages={rules.memory.budget.max_messages}; the token and character "
+            "budgets count the history on top of the system prompt, tools and the current "
+            "turn); unpin some or shorten them"
         )
 
 
@@ -286,9 +291,12 @@ def _holds(ascending: Sequence[int], i: int) -> bool:
 
 
 def _fits(p: Plan, lim: Limits) -> bool:
+    """Does the plan's history fit `lim` (on top of the floor, as the planner counts)?"""
+    floor = 0 if lim.tokens_whole else p.fixed_tokens or 0
     return (
-        (lim.max_tokens is None or (p.kept_tokens is not None and p.kept_tokens <= lim.max_tokens))
-        and (lim.max_chars is None or p.kept_chars <= lim.max_chars)
+        (lim.max_tokens is None
+         or (p.kept_tokens is not None and p.kept_tokens - floor <= lim.max_tokens))
+        and (lim.max_chars is None or p.kept_chars - p.fixed_chars <= lim.max_chars)
         and (lim.max_messages is None or len(p.kept) <= lim.max_messages)
     )
 
@@ -301,9 +309,13 @@ def _input_began(conv: Conversation, wire: Wire, items: list[Any]) -> int | None
     k = len(items)
     while k and wire.continues_input(items[k - 1]):
         k -= 1
-    g = conv.group_of(k) if k < len(items) else None
-    if g is None:
+    if k >= len(items):
         return None
+    g = conv.group_of(k)
+    if g is None:  # a fixed item (the opening context) begins the input: its next group
+        g = bisect.bisect_left(conv.groups, k, key=lambda grp: grp.indices[0])
+        if g == len(conv.groups):
+            return None
     turn = conv.groups[g].turn
     return turn if turn < conv.n_turns else None
 

@@ -65,7 +65,10 @@ def compact(d: Decision, rules: Rules, todo: dict[int, list[ToolResult]],
     resume = "toolscan" not in rules.shortcuts_off  # else every item and group made anew
     done, shared.items = shared.items if resume else {}, {}
     shorter: dict[int, int] = {}  # item -> characters of text its results lost
-    chars, text_chars = list(conv.chars), list(conv.text_chars)
+    # conv.chars stay the client's: hist_chars measures what was sent, in every mode;
+    # what the budget counts (text_chars, the groups' chars and tokens) is compacted
+    text_chars = list(conv.text_chars)
+    d.compact_chars = {}
     for i, results in todo.items():
         rs = [(r, archive_id(archive_in, r.text) if archive_in and len(r.text) <= room
                else None) for r in results]
@@ -77,7 +80,7 @@ def compact(d: Decision, rules: Rules, todo: dict[int, list[ToolResult]],
         shared.items[id(item)] = hit
         if hit.subs:
             d.compacted[i] = list(hit.subs)
-            d.compact_tokens[i], chars[i] = hit.tokens, hit.chars
+            d.compact_tokens[i], d.compact_chars[i] = hit.tokens, hit.chars
             shorter[i] = hit.lost
             text_chars[i] -= hit.lost  # only a result's text changed: the text it lost
             for aid, original in hit.archived:
@@ -101,8 +104,7 @@ def compact(d: Decision, rules: Rules, todo: dict[int, list[ToolResult]],
             new = replace(g, chars=g.chars - sum(cut), tokens=-1, tokens_key=None)
         shared.groups[id(g)] = (g, cut, new)
         groups.append(new)
-    d.conv = replace(conv, groups=groups, chars=chars, text_chars=text_chars,
-                     memo=shared.memo)
+    d.conv = replace(conv, groups=groups, text_chars=text_chars, memo=shared.memo)
     return True
 
 
@@ -133,7 +135,7 @@ class _CompactedItem:
     counter: TokenCounter
     subs: tuple[tuple[tuple[str | int, ...], str], ...]  # (path, compacted text)
     tokens: int  # the item's, compacted
-    chars: int
+    chars: int  # the item's, compacted, by hist_chars' measure (sent_chars)
     lost: int  # characters of text its results lost
     archived: tuple[tuple[str, str], ...]  # (archive id, original)
 

@@ -52,6 +52,7 @@ class Decision:
     # the item's tokens with them (the planner counts these instead)
     compacted: dict[int, list[tuple[Any, str]]] = field(default_factory=dict)
     compact_tokens: dict[int, int] = field(default_factory=dict)
+    compact_chars: dict[int, int] = field(default_factory=dict)  # hist_chars' measure
     archived: dict[str, tuple[int, str]] = field(default_factory=dict)  # id -> (item, original)
     noted: bool = False  # the carry note was built (d.note: it, or None if there is none)
 
@@ -115,7 +116,8 @@ class Decision:
         """This request as the client sent it: measured, not planned (`reason`: why)."""
         return replace(self, forward=self.raw, plan=None, skip_reason=reason, note=None,
                        snapshot=None, recalled=[], compacted={}, compact_tokens={},
-                       archived={}, cache_marker_dropped=False, cache_marker_moved=False)
+                       compact_chars={}, archived={}, cache_marker_dropped=False,
+                       cache_marker_moved=False)
 
     def kept_tokens(self) -> int:
         """Estimated tokens of the request with only the plan's kept messages (and the
@@ -173,9 +175,20 @@ class Decision:
             self._msg_tokens[i] = n
 
     def hist_chars(self) -> int:
+        """The history's characters as the client sent it (no planning stage changes
+        conv.chars): each item's content as jq's `tostring | length`, summed."""
         if self.conv is not None:
             return self.conv.total_chars
         return sum(self.wire.item_chars(m) for m in self.messages)
+
+    def sent_chars(self) -> int:
+        """hist_chars' measure of the forwarded history: the kept items (compacted ones
+        at their compacted size) and the carry note."""
+        assert self.plan is not None and self.conv is not None
+        chars, compacted = self.conv.chars, self.compacted
+        n = sum(self.compact_chars[i] if i in compacted else chars[i] for i in self.plan.kept)
+        return n + (self.wire.item_chars(self.wire.note_item(self.note))
+                    if self.note is not None else 0)
 
     def est_tokens(self) -> int:
         """The estimate for the whole request (counts cached per message content)."""

@@ -206,29 +206,34 @@ class HistoryCache:
 
     def parse(
         self, key: tuple[str, str], wire: Wire, items: list[Any], rules: Any, size: int,
-        prefix: str, min_score: float,
+        prefix: str, min_score: float, context: tuple[str, ...] = (),
     ) -> View:
-        """Parse `items`, reusing the session's previous request where it still holds."""
+        """Parse `items`, reusing the session's previous request where it still holds.
+        `context`: the client's opening-context prefixes, read by the parse of the
+        history's start and by a piece after a head that holds no group (all fixed: the
+        opening may go on into the piece); after a group the opening has ended."""
         start = last_turn_start(wire, items)
         old = self._entries.get(key)
         prev = old if old is not None and old.rules is rules and old.wire is wire else None
         known = _known(prev, items, start)
         try:
             if prev is not None and known and start is not None:
-                mid = wire.parse(items[prev.start:start], prefix, min_score)
+                mid = wire.parse(items[prev.start:start], prefix, min_score,
+                                 () if prev.head.groups else context)
                 head = join(prev.head, mid, prev.start)
                 self.hits += 1
             elif start is not None:
-                head = wire.parse(items[:start], prefix, min_score)
+                head = wire.parse(items[:start], prefix, min_score, context)
                 prev, known = None, 0
                 self.misses += 1
             else:
-                return View(wire.parse(items, prefix, min_score))
-            conv = join(head, wire.parse(items[start:], prefix, min_score), start)
+                return View(wire.parse(items, prefix, min_score, context))
+            conv = join(head, wire.parse(items[start:], prefix, min_score,
+                                         () if head.groups else context), start)
         except (ValueError, Unplannable):
             # a piece that does not parse alone (or bad metadata: the full parse names
             # the right index); the full parse decides
-            return View(wire.parse(items, prefix, min_score))
+            return View(wire.parse(items, prefix, min_score, context))
         # what the entry keeps alive: the parsed items and the head's per-message
         # bookkeeping (measured: about 3x the request's bytes in all, soak.py)
         entry = Entry(rules, wire, items, head, start, 3 * size + 384 * len(items))

@@ -187,6 +187,23 @@ def str_fields(d: dict[str, Any], *keys: str) -> Iterator[str]:
             yield v
 
 
+def opens_with(content: Any, prefixes: tuple[str, ...]) -> bool:
+    """Does the content's text, or one of its text parts, start with one of the prefixes
+    (leading whitespace aside)? How a client's context message is told (Claude Code puts
+    its reminders in text blocks before the prompt's)."""
+    if not prefixes:
+        return False
+    if isinstance(content, str):
+        return content.lstrip().startswith(prefixes)
+    if isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict):
+                text = part.get("text")
+                if isinstance(text, str) and text.lstrip().startswith(prefixes):
+                    return True
+    return False
+
+
 def first_text(content: Any) -> str | None:
     """The text a pin prefix is looked for in: the string, or the first text part."""
     if isinstance(content, str):

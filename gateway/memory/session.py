@@ -1,4 +1,5 @@
-"""Who is calling: the caller's credential, its tenant, and the session id.
+"""Who is calling: the caller's credential and its tenant (the session id:
+`gateway.memory.session_sources`).
 
 The credential is the key in the first credential header that holds a usable one:
 `Authorization` (a bare key or `Bearer <key>`), `x-api-key`, `api-key`, then the
@@ -16,13 +17,11 @@ import functools
 import hashlib
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gateway.config.schema import TenantRules
 
-_SAFE = re.compile(r"[^A-Za-z0-9._:@/-]")
-MAX_ID = 128
 BUILTIN_HEADERS = ("Authorization", "x-api-key", "api-key")
 _KEY = re.compile(r"[\x21-\x7e]+")
 # what a client whose key variable is unset sends, and the stand-ins the local model
@@ -91,33 +90,3 @@ def client_refusal(headers: Mapping[str, str], rules: TenantRules) -> str | None
     if key_sha256(key) not in rules.client_keys_sha256:
         return "your key is not on this gateway's client allowlist"
     return None
-
-
-def _clean(value: str) -> str:
-    return _SAFE.sub("_", value)[:MAX_ID]
-
-
-def session_id(
-    headers: Mapping[str, str],
-    header_name: str,
-    payload: Mapping[str, Any],
-    tenant: str | None,
-    system_text: str,
-    first_user_text: str,
-) -> str:
-    """Header > body metadata.session_id > body user > fingerprint of the conversation start."""
-    h = headers.get(header_name)
-    if h:
-        return _clean(h)
-    meta = payload.get("metadata")
-    if isinstance(meta, dict):
-        sid = meta.get("session_id")
-        if isinstance(sid, str) and sid:
-            return _clean(sid)
-    user = payload.get("user")
-    if isinstance(user, str) and user:
-        return _clean(user)
-    digest = hashlib.sha256(
-        "\0".join((tenant or "", system_text, first_user_text)).encode("utf-8", "surrogatepass")
-    ).hexdigest()
-    return "fp-" + digest[:16]

@@ -4,7 +4,10 @@ Keyed by (tenant, session): the tenant comes from the caller's credentials, so
 a session id that two tenants share, or that a client forges, never reaches
 another tenant's state. In-process and bounded (LRU) by default. Nothing here
 is needed for correctness — the stepped cut is recomputed from the history
-alone — it lets the [mem] line say whether the forwarded prefix stayed the same.
+alone — it lets the [mem] line say whether the forwarded prefix stayed the same. It also
+remembers which session each Responses answer belonged to, so that a request continuing
+it (`previous_response_id`) stays in that session; an answer forgotten (LRU, ttl, Redis
+down) leaves its continuation to the next source of `session.id_from`.
 """
 
 from __future__ import annotations
@@ -106,6 +109,9 @@ class MemoryState:
     def __init__(self, max_sessions: int) -> None:
         self.records: SessionStore[SessionRecord] = SessionStore(max_sessions)
         self.snapshots: SessionStore[dict[str, Any]] = SessionStore(max_sessions)
+        # Responses answer id -> the session of the request it answered, by (tenant, id):
+        # the latest answers, about one per live session (a chain continues its last one)
+        self.responses: SessionStore[str] = SessionStore(max_sessions)
 
     async def get_record(self, tenant: str, session: str) -> SessionRecord | None:
         return self.records.get(tenant, session)
@@ -115,6 +121,12 @@ class MemoryState:
 
     async def put_snapshot(self, tenant: str, session: str, fields: dict[str, Any]) -> None:
         self.snapshots.put(tenant, session, fields)
+
+    async def get_response_session(self, tenant: str, response_id: str) -> str | None:
+        return self.responses.get(tenant, response_id)
+
+    async def put_response_session(self, tenant: str, response_id: str, session: str) -> None:
+        self.responses.put(tenant, response_id, session)
 
     async def find_snapshots(self, session: str) -> dict[str, dict[str, Any]]:
         return self.snapshots.find(session)
@@ -193,6 +205,20 @@ class RedisState:
         await self.health.call(
             "put_snapshot",
             lambda: self.client.set(self._key("snap", tenant, session), orjson.dumps(fields),
+                                    ex=self.ttl_s),
+            self.timeout_s)
+
+    async def get_response_session(self, tenant: str, response_id: str) -> str | None:
+        """The session whose request this answer id answered (previous_response_id)."""
+        raw = await self.health.call(
+            "get_response_session",
+            lambda: self.client.get(self._key("resp", tenant, response_id)), self.timeout_s)
+        return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+
+    async def put_response_session(self, tenant: str, response_id: str, session: str) -> None:
+        await self.health.call(
+            "put_response_session",
+            lambda: self.client.set(self._key("resp", tenant, response_id), session.encode(),
                                     ex=self.ttl_s),
             self.timeout_s)
 

@@ -27,8 +27,8 @@ SESSION_CHARS = 128  # session ids come from clients
 TOP_SESSIONS = 20
 
 # the [mem] fields a request's row shows (all small numbers, names and flags)
-SHOWN = ("turn", "hist_msgs", "hist_chars", "est_tokens", "budget_tokens", "evict",
-         "would_evict", "kept", "dropped", "would_drop", "pinned", "pinned_overflow",
+SHOWN = ("turn", "hist_msgs", "hist_chars", "est_tokens", "budget_tokens", "fixed_tokens",
+         "evict", "would_evict", "kept", "dropped", "would_drop", "pinned", "pinned_overflow",
          "recalled", "recalled_tokens", "recalled_records", "recall", "compacted",
          "compacted_saved_tokens", "over_budget", "cut", "prefix_tokens", "carried", "mode",
          "status", "upstream_ms", "overhead_ms", "req", "api", "stream", "fallback",

@@ -11,7 +11,7 @@ is never tokenized on the request path."""
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ from gateway.measure.conversation import Conversation, Group, is_active
 from gateway.policy.fill_stage import fill_from_request
 from gateway.policy.plan_rules import Limits, PlanRules
 from gateway.policy.stages import stable_part
-from gateway.policy.state import DROP, KEEP, Cost, caps, mark_of, start_state
+from gateway.policy.state import DROP, KEEP, Cost, mark_of, start_state
 
 
 class Dropped(Sequence[tuple[int, str]]):
@@ -90,6 +90,11 @@ class Plan:
     # low_water < 1 but no checkpoint's tail fitted (system + pins + the current turn take
     # more than the low-water share): the cut fell back to a newest-first fill
     fill_fallback: bool = False
+    # what the floor took (system part, tool schemas and priming, the current turn), on
+    # top of which the token and character limits count (None / 0: a plan that keeps
+    # everything, or one that counted no tokens)
+    fixed_tokens: int | None = None
+    fixed_chars: int = 0
     evict: str = "none"  # the stage that dropped most messages, or 'none'
     # dropped history brought back for the current request (in kept too): forwarded
     # after the stable part, before the current turn (fill.forward_order)
@@ -110,7 +115,7 @@ def _share(lim: Limits, share: float) -> Limits:
 
     # every limit, max_turns too: recalled groups open turns of their own
     return Limits(part(lim.max_tokens), part(lim.max_chars), part(lim.max_messages),
-                  part(lim.max_turns))
+                  part(lim.max_turns), lim.tokens_whole)
 
 
 def plan(
@@ -123,6 +128,7 @@ def plan(
     text_of: Callable[[int], str] | None = None,
     reserve: Callable[[], Cost] | None = None,
     tokens_exact: int | None = None,
+    cuttable: Container[int] = (),
 ) -> Plan:
     """Decide which messages to keep.
 
@@ -138,7 +144,9 @@ def plan(
     add to the request then (tokens, chars, messages: the carry note), which the fill
     leaves room for. `tokens_exact`, when given, is the total itself (what `tokens_of`
     sums to over every message, plus `overhead_tokens`; `tokens_upper_bound` is then at
-    most that): the count a plan that keeps every message reports.
+    most that): the count a plan that keeps every message reports. `cuttable`: messages
+    of the current turn the budget counts as history (tool results the caller compacts
+    when the history is cut or over), not as the floor.
 
     A history that fits whole gets the same plan however that is known (by a bound, by
     the exact total, or by the stages keeping it all): every message kept as `fits`.
@@ -151,12 +159,13 @@ def plan(
     # gets what the share leaves, the fill the rest
     recall = text_of is not None and rules.recall_share > 0.0
     stable = _share(lim, 1.0 - rules.recall_share) if recall else lim
-    base = start_state(conv, rules, lim, tokens_of, overhead_tokens, tokens_key)
-    st, fill = stable_part(base, lim, stable, recall, overhead_tokens)
+    base = start_state(conv, rules, lim, tokens_of, overhead_tokens, tokens_key,
+                       cuttable=cuttable)
+    st, fill = stable_part(base, lim, stable, recall, overhead_tokens, cuttable)
     capped = st.capped  # before the fill brings any of it back
     if fill:
         assert text_of is not None
-        st.max_tokens, st.max_chars, st.max_messages = caps(lim)
+        st.set_caps(lim)
         if reserve is not None:
             tokens, chars, messages = reserve()
             st.max_tokens -= tokens
@@ -227,9 +236,10 @@ def plan(
     open_tokens, open_chars, _ = st.cost([g for g in kept_groups if st.decision[g] is None])
     kept_tokens = st.tokens_used + open_tokens
     kept_chars = st.chars_used + open_chars
-    over = (
-        (lim.max_tokens is not None and kept_tokens > lim.max_tokens)
-        or (lim.max_chars is not None and kept_chars > lim.max_chars)
+    floor_tokens = 0 if lim.tokens_whole else st.floor_tokens
+    over = (  # the history could not be brought under the budget
+        (lim.max_tokens is not None and kept_tokens - floor_tokens > lim.max_tokens)
+        or (lim.max_chars is not None and kept_chars - st.floor_chars > lim.max_chars)
         or (lim.max_messages is not None and len(kept) > lim.max_messages)
     )
     if not runs and not over:
@@ -248,11 +258,14 @@ def plan(
         evict=_dominant_stage(drops),
         recalled=tuple(recalled),
         recalled_tokens=recalled_tokens if st.count_tokens else 0,
+        fixed_tokens=st.floor_tokens if st.count_tokens else None,
+        fixed_chars=st.floor_chars,
     )
 
 
 def _fits_whole(conv: Conversation, rules: PlanRules, kept_tokens: int | None) -> Plan:
-    """Every message kept: the history fits (`kept_tokens`: its count, when known)."""
+    """Every message kept: the history fits (`kept_tokens`: its count, when known). The
+    same plan however the fit was found, so no floor: nothing was cut on top of it."""
     return Plan(
         kept=tuple(range(conv.n_messages)),
         dropped=Dropped(),
@@ -274,7 +287,9 @@ def _messages_in(conv: Conversation, a: int, b: int) -> int:
 
 
 def fits_unplanned(conv: Conversation, lim: Limits, bound: int | None) -> bool:
-    """Does the whole history fit `lim`, `bound` being an upper bound of its tokens?"""
+    """Does the whole history fit `lim`, `bound` being an upper bound of its tokens?
+    (The whole request under the history's limits: sound, since the floor, which the
+    limits leave out, is part of it.)"""
     if lim.max_turns is not None and conv.n_turns > lim.max_turns:
         return False
     if lim.max_messages is not None and conv.n_messages > lim.max_messages:

@@ -9,12 +9,20 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """A concrete budget for one request (None = no limit on that measure)."""
+    """A concrete budget for one request (None = no limit on that measure).
+
+    The token and character limits count the history that can be cut: the floor the
+    planner never cuts (system and developer messages, the client's opening context,
+    tool schemas and priming, the current turn) comes on top, so a large fixed part
+    never turns every cut into a wipe. With `tokens_whole` the token limit counts the
+    whole request instead (a model's window: `max_tokens: auto`). The message and turn
+    limits are caps on the whole forwarded request."""
 
     max_tokens: int | None = None
     max_chars: int | None = None
     max_messages: int | None = None
     max_turns: int | None = None
+    tokens_whole: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ only for what a decision needs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,16 @@ class State:
     capped: tuple[int, tuple[int, ...]] = (0, ())
     turn_costs: dict[int, Cost] = field(default_factory=dict)  # cost of a turn's open groups
     tokens_key: Any = None  # see plan()
+    # what the floor (system part, overhead, the current turn) takes: the token and
+    # character limits count the history on top of it (Limits)
+    floor_tokens: int = 0
+    floor_chars: int = 0
+
+    def set_caps(self, lim: Limits) -> None:
+        """The caps under `lim`: its token and character limits on top of the floor."""
+        max_tokens, max_chars, self.max_messages = caps(lim)
+        self.max_tokens = max_tokens if lim.tokens_whole else max_tokens + self.floor_tokens
+        self.max_chars = max_chars + self.floor_chars
 
     def tokens(self, g: int) -> int:
         n = self.group_tokens[g]
@@ -172,11 +182,13 @@ def caps(lim: Limits) -> tuple[int, int, int]:
 def start_state(
     conv: Conversation, rules: PlanRules, lim: Limits, tokens_of: Callable[[int], int],
     overhead_tokens: int, tokens_key: Any, group_tokens: list[int] | None = None,
+    cuttable: Container[int] = (),
 ) -> State:
     """A plan's state under `lim` before any stage: the system part and the current turn
-    kept (the floor); `group_tokens`: counts an earlier run made."""
+    kept (the floor); `group_tokens`: counts an earlier run made. `cuttable`: messages of
+    the current turn that the budget counts as history all the same (tool results the
+    caller may compact: they are what can be cut of a long agent turn)."""
     groups = conv.groups
-    max_tokens, max_chars, max_messages = caps(lim)
     st = State(
         conv=conv,
         rules=rules,
@@ -184,9 +196,6 @@ def start_state(
         count_tokens=rules.limits.max_tokens is not None,
         decision=[None] * len(groups),
         group_tokens=[-1] * len(groups) if group_tokens is None else group_tokens,
-        max_tokens=max_tokens,
-        max_chars=max_chars,
-        max_messages=max_messages,
         max_turns=lim.max_turns,
         tokens_key=tokens_key,
     )
@@ -205,4 +214,13 @@ def start_state(
     st.first_current = first_current
     current = range(first_current, len(groups))
     st.keep(current, "current")
+    cut_tokens = cut_chars = 0
+    if cuttable:
+        for g in current:
+            for i in groups[g].indices:
+                if i in cuttable:
+                    cut_tokens += tokens_of(i) if st.count_tokens else 0
+                    cut_chars += conv.text_chars[i]
+    st.floor_tokens, st.floor_chars = st.tokens_used - cut_tokens, st.chars_used - cut_chars
+    st.set_caps(lim)
     return st

@@ -21,7 +21,12 @@ from gateway.memory.store.model import build_record, format_ts, now_us
 from gateway.observe.relayed import Relayed
 from gateway.proxy.appstate import GatewayState
 from gateway.proxy.mem_line import log_mem, mem_fields
-from gateway.proxy.session_record import measure_session, resent, session_of
+from gateway.proxy.session_record import (
+    measure_session,
+    remember_response,
+    resent,
+    session_of,
+)
 from gateway.wire.base import Wire
 from gateway.wire.openai_chat import OPENAI_CHAT
 
@@ -34,17 +39,22 @@ async def account(
     d: Decision | None, info: Relayed, overhead_ms: float, rid: str,
     measuring: Measured | None,
     recall_failed: bool = False,
+    session_from: str = "",
 ) -> None:
     """The [mem] line, its metrics and the shared state of one request, after its answer
     (or its refusal, or the client leaving): `measuring` when it was started while the
-    upstream answered, else measured here."""
+    upstream answered, else measured here. First of all, which session a Responses
+    answer belongs to, for the client's next request continuing it."""
     try:
+        await remember_response(state, tenant, session, wire, info)
         if measuring is not None:  # started while the upstream answered
             measured = await measuring
         else:
             if not session:  # the body never arrived: the session is what the headers say
-                session = session_of(request, state.rules.session_header, None, None, tenant)
-            measured = await measure(state, request, tenant, session, wire, d, rid, recall_failed)
+                session, session_from = await session_of(state, state.rules, request, None,
+                                                         None, tenant)
+            measured = await measure(state, request, tenant, session, wire, d, rid, recall_failed,
+                                     session_from)
         if info.first_status and d is not None:
             d = d.unchanged("upstream_refused")  # what went is the client's body
             measured = await resent(state, tenant, session, d, measured)
@@ -63,6 +73,7 @@ async def measure(
     d: Decision | None,
     rid: str,
     recall_failed: bool = False,
+    session_from: str = "",
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What the [mem] line says about the request itself, before and after the fields
     about its answer (status, timings), and the bookkeeping that needs only the
@@ -70,7 +81,8 @@ async def measure(
     upstream answers, so a client's next request does not wait for it. A state backend
     that fails marks its fields missing (`state=unavailable`), never the line."""
     head: dict[str, Any] = {"session": session}
-    tail: dict[str, Any] = {}
+    # which source of session.id_from named it (in the tail: a fallback's rewrite keeps it)
+    tail: dict[str, Any] = {"session_from": session_from} if session_from else {}
     debug = state.rules.log_level == "debug"
     if d is not None and d.conv is not None and d.messages:
         head.update(await measure_session(state, tenant, session, d, debug))

@@ -65,6 +65,7 @@ class _Flight:
     span: RequestSpan | None  # while tracing is on (observe.otel): ended after the [mem] line
     tenant: str | None  # None: no usable credential (and no anonymous tenant), no memory
     session: str = ""
+    session_from: str = ""  # the source of session.id_from that named it
     raw: bytes | None = None
     d: Decision | None = None
     overhead_ms: float = 0.0
@@ -132,7 +133,8 @@ async def _forward(f: _Flight) -> web.StreamResponse:
     rules = f.rules
     # chosen by path alone unless an upstream chooses by model (then the body is read
     # first): a refused caller's body is not even read
-    up = None if rules.routes_by_model else rules.upstream_for(f.request.path)
+    up = None if rules.routes_by_model else rules.upstream_for(f.request.path, None,
+                                                                f.wire.flavor)
     if up is not None:
         admit(rules, up, f.request)
     f.raw = await _read_timed(f)
@@ -175,10 +177,11 @@ async def _relay_unchanged(f: _Flight, up: Upstream, raw: bytes) -> web.StreamRe
 async def _plan(f: _Flight, raw: bytes, up: Upstream | None) -> tuple[Decision, Upstream]:
     """Decide (measure, plan, cut), route by model if the path did not, recall."""
     rules = f.rules
-    d, f.session = _decide(f.state, f.request, rules, f.wire, raw, f.tenant)
+    d, f.session, f.session_from = await _decide(f.state, f.request, rules, f.wire, raw,
+                                                 f.tenant)
     f.d = d
     if up is None:
-        up = rules.upstream_for(f.request.path, d.model)
+        up = rules.upstream_for(f.request.path, d.model, f.wire.flavor)
         try:
             admit(rules, up, f.request)
         except Unauthorized:
@@ -200,7 +203,8 @@ async def _relay_planned(f: _Flight, up: Upstream, d: Decision) -> web.StreamRes
 
     def start_measuring() -> None:
         f.measuring = asyncio.ensure_future(measure(
-            f.state, f.request, f.tenant, f.session, f.wire, d, f.rid, f.recall_failed))
+            f.state, f.request, f.tenant, f.session, f.wire, d, f.rid, f.recall_failed,
+            f.session_from))
 
     def sent() -> None:
         f.measure_at = asyncio.get_running_loop().call_later(MEASURE_AFTER_S, start_measuring)
@@ -226,11 +230,12 @@ async def _land(f: _Flight) -> None:
     on anything, else in a task the client's leaving cannot cancel."""
     if f.deferred and f.raw is not None:
         try:
-            f.d, f.session = _decide(f.state, f.request, f.rules, f.wire, f.raw, f.tenant)
+            f.d, f.session, f.session_from = await _decide(f.state, f.request, f.rules,
+                                                           f.wire, f.raw, f.tenant)
         except GatewayError:  # cannot happen without metadata; measured as skipped
             f.d = None
     accounting = account(f.state, f.request, f.tenant, f.session, f.wire, f.d, f.info,
-                         f.overhead_ms, f.rid, f.measuring, f.recall_failed)
+                         f.overhead_ms, f.rid, f.measuring, f.recall_failed, f.session_from)
     if f.span is not None:
         accounting = f.span.after(accounting)
     if _accounts_inline(f):
@@ -286,11 +291,11 @@ def _unchangeable(state: GatewayState, rules: Rules, wire: Wire, raw: bytes,
     return splice.unmarked(raw, start)
 
 
-def _decide(
+async def _decide(
     state: GatewayState, request: web.Request, rules: Rules, wire: Wire, raw: bytes,
     tenant: str | None,
-) -> tuple[Decision, str]:
-    """Parse and plan one body; (decision, session id)."""
+) -> tuple[Decision, str, str]:
+    """Parse and plan one body; (decision, session id, the source that named it)."""
     history = _history(state, rules)
     src = None  # the session's earlier body this one was spliced from
     try:
@@ -301,7 +306,7 @@ def _decide(
     except orjson.JSONDecodeError:
         payload = None
     items = wire.items(payload) if isinstance(payload, dict) else None
-    session = session_of(request, rules.session_header, payload, items, tenant)
+    session, session_from = await session_of(state, rules, request, payload, items, tenant)
     # a caller without a tenant has no session history: its requests share nothing
     d = decide(raw, payload, rules, state.tokenizers, wire, history=history,
                key=None if tenant is None else (tenant, session),
@@ -310,7 +315,7 @@ def _decide(
     if (tenant is not None and rules.memory.fallback_original
             and state.refused.holds((tenant, session)) and d.forward != d.raw):
         d = d.unchanged("upstream_refused")  # refused lately: not tried again yet
-    return d, session
+    return d, session, session_from
 
 
 def _archive_in(state: GatewayState, rules: Rules, tenant: str | None) -> str | None:

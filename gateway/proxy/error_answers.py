@@ -8,6 +8,8 @@ split and the HTTP server's own error answers all answer through here.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
@@ -16,12 +18,32 @@ from gateway.proxy.upstream import has_dot_segment
 
 
 def flavor_for(request: web.BaseRequest) -> ApiFlavor:
-    """The error shape the caller's SDK reads: Anthropic's on its Messages routes and for
-    any request carrying `anthropic-version` (which every Anthropic SDK call sends, its
-    models.list too), else OpenAI's."""
-    if request.path.startswith("/v1/messages") or "anthropic-version" in request.headers:
+    """The error shape the caller's SDK reads: Anthropic's on its Messages routes, OpenAI's
+    on the chat and Responses routes (Azure's too) whatever the headers, and elsewhere
+    Anthropic's for a request carrying Anthropic's headers (`caller_wire`)."""
+    path = request.path
+    if path.startswith("/v1/messages"):
         return "anthropic"
-    return "openai"
+    if path.startswith(_OPENAI_ROUTES) or caller_wire(request) != "anthropic":
+        return "openai"
+    return "anthropic"
+
+
+_OPENAI_ROUTES = ("/v1/chat/completions", "/v1/responses", "/openai/")
+
+
+def caller_wire(request: web.BaseRequest) -> Literal["anthropic"] | None:
+    """The API a request speaks by its headers: `anthropic` when it carries
+    `anthropic-version` (every Anthropic SDK call sends it, its models.list too; the API
+    refuses a call without it) or an `x-api-key` without `Authorization` (Anthropic's key
+    header: OpenAI's SDKs send `Authorization`, Azure's `api-key`); None: not known, the
+    path alone routes it. Routing chooses among the configured upstreams by it
+    (Rules.upstream_for)."""
+    headers = request.headers
+    if "anthropic-version" in headers or ("x-api-key" in headers
+                                          and "Authorization" not in headers):
+        return "anthropic"
+    return None
 
 
 def error_response(err: GatewayError, flavor: ApiFlavor) -> web.Response:

@@ -40,6 +40,10 @@ def mem_fields(
     if d.conv is not None and d.conv.media_parts:  # only then: text traffic's line unchanged
         f["media"] = d.conv.media_parts
     p = d.plan
+    if p is not None and p.fixed_tokens is not None:
+        # the floor: system, tools, opening context, the current turn; the token budget
+        # counts the history on top of it (a plan that kept everything counted none)
+        f["fixed_tokens"] = p.fixed_tokens
     if d.skip_reason is not None:
         f.update(evict="skipped", kept=len(msgs), dropped=0, pinned=0, reason=d.skip_reason)
     elif p is None:  # mode=off: measured, not planned
@@ -48,6 +52,7 @@ def mem_fields(
         f.update(evict=p.evict, kept=len(p.kept), dropped=len(p.dropped), pinned=p.pinned)
         if p.dropped or d.compacted:  # the estimate of what went (est_tokens: what came)
             f["est_sent_tokens"] = d.kept_tokens()
+            f["sent_chars"] = d.sent_chars()  # what went, as hist_chars measures what came
         if d.note is not None:  # the injected carry note: forwarded = kept + note
             f["note"] = 1
         if p.recalled:  # dropped history the fill brought back (counted in kept)

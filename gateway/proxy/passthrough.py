@@ -17,7 +17,7 @@ from gateway.errors import GatewayError, Unauthorized
 from gateway.observe.metrics import route_class
 from gateway.observe.relayed import Relayed
 from gateway.proxy.appstate import STATE, GatewayState
-from gateway.proxy.error_answers import error_response, flavor_for
+from gateway.proxy.error_answers import caller_wire, error_response, flavor_for
 from gateway.proxy.intake import admit, read_body
 from gateway.proxy.upstream import is_websocket, relay, relay_websocket
 
@@ -55,7 +55,7 @@ async def _relay_as_is(request: web.Request, state: GatewayState, info: Relayed,
     read (up to limits.max_body_bytes) first."""
     rules = state.rules
     flavor = flavor_for(request)
-    up = rules.upstream_for(request.path, None, "anthropic-version" in request.headers)
+    up = rules.upstream_for(request.path, None, caller_wire(request))
     try:
         admit(rules, up, request)
     except Unauthorized as err:

@@ -1,11 +1,13 @@
 """A request's session: its id, and the record of what the session forwarded last.
 
-`session_of` names the session (header, body metadata, or a fingerprint of the
-conversation's start). `measure_session` measures a parsed history against the session's
-record (the tokens of a resent prefix are not summed again; cut=, prefix_tokens) and
-writes this request's record for the next one; `resent` rewrites the fields and the record
-when the upstream refused the changed body and got the client's. Session state that is
-down marks the fields (`state=unavailable`), never fails the request.
+`session_of` names the session (the first source of `session.id_from` that names one,
+see `gateway.memory.session_sources`) and `remember_response` keeps which session a
+Responses answer belonged to, for the request that continues it. `measure_session`
+measures a parsed history against the session's record (the tokens of a resent prefix are
+not summed again; cut=, prefix_tokens) and writes this request's record for the next one;
+`resent` rewrites the fields and the record when the upstream refused the changed body
+and got the client's. Session state that is down marks the fields (`state=unavailable`),
+never fails the request.
 """
 
 from __future__ import annotations
@@ -13,46 +15,59 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import orjson
 from aiohttp import web
 
+from gateway.config.schema import Rules
 from gateway.decide.decision import Decision
 from gateway.memory.backends import BackendDown
-from gateway.memory.session import session_id
+from gateway.memory.session_sources import CHAINED, candidates, clean
 from gateway.memory.state import SessionRecord, compare_cut, fingerprint, known_prefix, runs
+from gateway.observe.relayed import Relayed
 from gateway.proxy.appstate import GatewayState
 from gateway.proxy.mem_line import mem_fields
+from gateway.wire.base import Wire
+from gateway.wire.openai_responses import OPENAI_RESPONSES
 
 # a history with more uncounted text than this is token-counted for the [mem] line on the
 # gateway's counting thread (while the upstream answers, off the event loop)
 OFFLOAD_CHARS = 65_536
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    try:
-        return "" if content is None else orjson.dumps(content).decode()
-    except orjson.JSONEncodeError:  # nested too deep to write: such requests are skipped
-        return ""
-
-
-def session_of(request: web.Request, header: str, payload: Any, items: list[Any] | None,
-               tenant: str | None) -> str:
-    """The session id of a request: its session header, else its body's metadata or user,
-    else a fingerprint of the tenant, the system text and the first user message."""
-    system, first_user = "", ""
-    for m in items or ():
-        if not isinstance(m, dict):
+async def session_of(state: GatewayState, rules: Rules, request: web.Request, payload: Any,
+                     items: list[Any] | None, tenant: str | None) -> tuple[str, str]:
+    """(session id, the source that named it): the first source of `session.id_from`
+    that names one. A `previous_response_id` names the session of the answer it
+    continues, when this tenant's state knows that answer; else the next source is read
+    (a response id is no session id)."""
+    body = payload if isinstance(payload, dict) else {}
+    for source, value in candidates(rules.session_id_from, request.headers, body, items,
+                                    tenant, rules.memory.context_prefixes):
+        if source != CHAINED:
+            return value, source
+        if tenant is None:  # no state: nothing was remembered for this caller
             continue
-        role = m.get("role")
-        if not system and role in ("system", "developer"):
-            system = _text(m.get("content"))
-        elif role == "user":
-            first_user = _text(m.get("content"))
-            break
-    return session_id(request.headers, header, payload if isinstance(payload, dict) else {},
-                      tenant, system, first_user)
+        try:
+            found = await state.sessions.get_response_session(tenant, value)
+        except BackendDown:  # counted and logged by the breaker
+            continue
+        if found is not None:
+            return found, source
+    raise AssertionError("the loader makes fingerprint the last source")
+
+
+async def remember_response(state: GatewayState, tenant: str | None, session: str,
+                            wire: Wire, info: Relayed) -> None:
+    """A Responses answer's id -> its session, for the request that continues it
+    (`previous_response_id`). In-process, the write happens before anything yields, so
+    a client's next request always finds it; in Redis, within a round trip."""
+    rid = info.response_id
+    if (tenant is None or not session or rid is None or wire is not OPENAI_RESPONSES
+            or info.status != 200 or CHAINED not in state.rules.session_id_from):
+        return
+    try:
+        await state.sessions.put_response_session(tenant, clean(rid), session)
+    except BackendDown:  # counted and logged by the breaker; the chain falls through
+        pass
 
 
 async def measure_session(

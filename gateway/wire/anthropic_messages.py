@@ -26,12 +26,15 @@ from gateway.measure.conversation import (
     first_text,
     measure,
     message_pin,
+    opens_with,
     str_fields,
 )
 from gateway.measure.media import Piece
 from gateway.measure.tokens import PER_MESSAGE, REPLY_PRIMING, TokenCounter
+from gateway.policy.carry import ToolCall
+from gateway.policy.carry.calls import CALL_CHARS
 from gateway.policy.compact import ToolResult
-from gateway.wire.base import Wire, json_text
+from gateway.wire.base import Wire, json_head, json_text
 from gateway.wire.jsonbytes import Edit, elements, members
 
 ROLES = ("user", "assistant")
@@ -50,7 +53,12 @@ def tool_ids(content: Any, block_type: str, key: str) -> list[str]:
     ]
 
 
-def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
+def parse(messages: list[Any], prefix: str, min_score: float,
+          context: tuple[str, ...] = ()) -> Conversation:
+    """Split `messages` into turns and groups (the system part is outside the list). User
+    messages before the first reply that open with a `context` prefix are the client's
+    context: fixed."""
+    fixed: list[int] = []
     groups: list[Group] = []
     chars: list[int] = []
     text_chars: list[int] = []
@@ -59,6 +67,7 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
     turn = 0
     open_uses: set[str] = set()  # tool_use ids of the last assistant message
     marked: list[int] = []
+    opening = bool(context)  # before the first message that is not context
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise Unplannable("message_not_object")
@@ -83,6 +92,12 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
         pin, meta_here = message_pin(m, "messages", i, first_text(content), prefix,
                                      min_score)
         has_meta = has_meta or meta_here
+        if opening:
+            if role == "user" and opens_with(content, context) and not tool_ids(
+                    content, "tool_result", "tool_use_id"):
+                fixed.append(i)
+                continue
+            opening = False
         if role == "user":
             results = tool_ids(content, "tool_result", "tool_use_id")
             if results:
@@ -102,7 +117,7 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
         if pin is not None:
             grp.pins.append((i, pin))
     return Conversation(
-        n_messages=len(messages), fixed=[], groups=groups, n_turns=turn, chars=chars,
+        n_messages=len(messages), fixed=fixed, groups=groups, n_turns=turn, chars=chars,
         text_chars=text_chars, media_parts=totals.media, media_tokens=totals.media_tokens,
         media_chars=totals.media_chars, has_metadata=has_meta, cache_marked=marked,
     )
@@ -202,8 +217,9 @@ class AnthropicMessages(Wire):
     cache_markers = True
     stream_ends = (b"event: message_stop",)
 
-    def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
-        return parse(items, prefix, min_score)
+    def parse(self, items: list[Any], prefix: str, min_score: float,
+              context: tuple[str, ...] = ()) -> Conversation:
+        return parse(items, prefix, min_score, context)
 
     def starts_turn(self, item: Any) -> bool:
         return (isinstance(item, dict) and item.get("role") == "user"
@@ -261,6 +277,14 @@ class AnthropicMessages(Wire):
         if role == "user" and tool_ids(item.get("content"), "tool_result", "tool_use_id"):
             return "tool"
         return role if role in ("user", "assistant") else "system"
+
+    def item_calls(self, item: Any) -> list[ToolCall]:
+        # tool_use blocks (server_tool_use, mcp_tool_use: the same shape), `input` an object
+        if not isinstance(item, dict) or item.get("role") != "assistant":
+            return []
+        return [ToolCall(b["name"], json_head(b.get("input"), CALL_CHARS))
+                for b in _blocks(item.get("content"))
+                if str(b.get("type")).endswith("tool_use") and isinstance(b.get("name"), str)]
 
     def note_item(self, note: str) -> dict[str, Any]:
         # no system role inside messages: the note is a user message of its own, which

@@ -10,10 +10,11 @@ import orjson
 from gateway.errors import ApiFlavor
 from gateway.measure.conversation import META_KEY, Conversation
 from gateway.measure.tokens import TokenCounter
+from gateway.policy.carry import ToolCall
 from gateway.policy.compact import ToolResult
 from gateway.wire.jsonbytes import Edit, Span, apply, cut, elements, members, value_span, ws
 
-__all__ = ["META_KEY", "Wire", "json_text", "text_of"]
+__all__ = ["META_KEY", "Wire", "json_head", "json_text", "text_of"]
 
 
 class Wire:
@@ -39,7 +40,10 @@ class Wire:
         """A reason not to evict a well-formed body (e.g. server-side state)."""
         return None
 
-    def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
+    def parse(self, items: list[Any], prefix: str, min_score: float,
+              context: tuple[str, ...] = ()) -> Conversation:
+        """The history's shape; `context`: the prefixes of the client's opening context
+        (memory.context.prefixes), given only when `items` start the history."""
         raise NotImplementedError
 
     def parse_continuation(self, items: list[Any], prefix: str, min_score: float
@@ -81,6 +85,11 @@ class Wire:
         """The plain text of an item (text parts joined), for the carry-over."""
         content = item.get("content") if isinstance(item, dict) else None
         return text_of(content)
+
+    def item_calls(self, item: Any) -> list[ToolCall]:
+        """The tool calls an item makes, for the carry-over: each tool's name and the
+        head of its arguments' JSON text (the first CALL_CHARS characters of it)."""
+        return []
 
     def note_item(self, note: str) -> dict[str, Any]:
         """The carry-over note as an item of this API, placed before the current turn."""
@@ -213,3 +222,42 @@ def text_of(content: Any) -> str:
 
 def json_text(value: Any) -> str:
     return orjson.dumps(value).decode("utf-8")
+
+
+def json_head(value: Any, limit: int) -> str:
+    """`json_text(value)[:limit]`, written out only that far: a tool call's 1 MB input
+    costs a bounded copy. "" for a value JSON cannot spell or nested past Python's
+    recursion limit."""
+    out: list[str] = []
+    room = limit
+
+    def put(text: str) -> bool:
+        nonlocal room
+        out.append(text[:room])
+        room -= len(out[-1])
+        return room > 0
+
+    def walk(v: Any) -> bool:  # False: the room is used up
+        if isinstance(v, str):  # v[:room] escapes to at least `room` characters
+            return put(orjson.dumps(v[:room]).decode("utf-8"))
+        if isinstance(v, dict):
+            if not put("{"):
+                return False
+            for k, (name, x) in enumerate(v.items()):
+                if (k and not put(",")) or not walk(name) or not put(":") or not walk(x):
+                    return False
+            return put("}")
+        if isinstance(v, list):
+            if not put("["):
+                return False
+            for k, x in enumerate(v):
+                if (k and not put(",")) or not walk(x):
+                    return False
+            return put("]")
+        return put(orjson.dumps(v).decode("utf-8"))
+
+    try:
+        walk(value)
+    except (orjson.JSONEncodeError, TypeError, RecursionError):  # deeper than decide plans
+        return ""
+    return "".join(out)

@@ -19,17 +19,22 @@ from gateway.measure.conversation import (
     measure,
     merge_into,
     message_pin,
+    opens_with,
 )
 from gateway.measure.media import Piece
 from gateway.measure.tokens import PER_MESSAGE, PER_NAME, REPLY_PRIMING, TokenCounter
+from gateway.policy.carry import ToolCall
+from gateway.policy.carry.calls import CALL_CHARS
 from gateway.policy.compact import ToolResult
-from gateway.wire.base import Wire
+from gateway.wire.base import Wire, json_head
 
 FIXED_ROLES = frozenset(("system", "developer"))
 
 
-def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
-    """Split a `messages` list into fixed part, turns and groups.
+def parse(messages: list[Any], prefix: str, min_score: float,
+          context: tuple[str, ...] = ()) -> Conversation:
+    """Split a `messages` list into fixed part, turns and groups. User messages before
+    the first reply that open with a `context` prefix are the client's context: fixed.
 
     Raises Unplannable for histories eviction must not touch (forwarded as is)
     and BadMetadata for malformed gateway metadata (chat.decide ignores or refuses it).
@@ -42,6 +47,7 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
     has_meta = False
     turn = 0
     open_calls: dict[str, int] = {}  # tool_call_id -> group index, within the current turn
+    opening = bool(context)  # before the first message that is neither fixed nor context
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise Unplannable("message_not_object")
@@ -67,6 +73,11 @@ def parse(messages: list[Any], prefix: str, min_score: float) -> Conversation:
         if role in FIXED_ROLES:
             fixed.append(i)
             continue
+        if opening:
+            if role == "user" and opens_with(content, context):
+                fixed.append(i)
+                continue
+            opening = False
         if role == "user":
             turn += 1
             open_calls = {}
@@ -217,8 +228,9 @@ class OpenAIChat(Wire):
     items_key = "messages"
     stream_ends = (b"data: [DONE]",)
 
-    def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
-        return parse(items, prefix, min_score)
+    def parse(self, items: list[Any], prefix: str, min_score: float,
+              context: tuple[str, ...] = ()) -> Conversation:
+        return parse(items, prefix, min_score, context)
 
     def tool_results(self, items: list[Any], start: int = 0,
                      names: dict[Any, str] | None = None) -> list[ToolResult]:
@@ -241,6 +253,24 @@ class OpenAIChat(Wire):
 
     def item_chars(self, item: Any) -> int:
         return content_chars(item.get("content")) if isinstance(item, dict) else 0
+
+    def item_calls(self, item: Any) -> list[ToolCall]:
+        # `arguments` is JSON text already; a custom tool's `input` is free text
+        if not isinstance(item, dict) or item.get("role") != "assistant":
+            return []
+        calls = item.get("tool_calls")
+        fns = [called(c) for c in calls] if isinstance(calls, list) else []
+        if isinstance(item.get("function_call"), dict):
+            fns.append(item["function_call"])
+        out = []
+        for fn in fns:
+            if fn is None or not isinstance(fn.get("name"), str):
+                continue
+            args = fn.get("arguments")
+            out.append(ToolCall(fn["name"], args[:CALL_CHARS] if isinstance(args, str)
+                                else json_head(fn.get("input"), CALL_CHARS)))
+        return out
+
     def overhead_tokens(self, payload: dict[str, Any], counter: TokenCounter) -> int:
         return overhead_tokens(payload, counter)
 

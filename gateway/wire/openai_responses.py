@@ -36,12 +36,15 @@ from gateway.measure.conversation import (
     measure,
     merge_into,
     message_pin,
+    opens_with,
     str_fields,
 )
 from gateway.measure.media import Piece
 from gateway.measure.tokens import PER_MESSAGE, REPLY_PRIMING, TokenCounter
+from gateway.policy.carry import ToolCall
+from gateway.policy.carry.calls import CALL_CHARS
 from gateway.policy.compact import ToolResult
-from gateway.wire.base import Wire, json_text, text_of
+from gateway.wire.base import Wire, json_head, json_text, text_of
 from gateway.wire.openai_chat import content_pieces, part_pieces
 
 # client-run tools: a call (with its `call_id`) the client answers with an output item;
@@ -91,9 +94,11 @@ def _text_of(it: dict[str, Any]) -> Any:
 
 
 def parse(items: list[Any], prefix: str, min_score: float,
-          server_state: bool = False) -> Conversation:
+          server_state: bool = False, context: tuple[str, ...] = ()) -> Conversation:
     """`server_state`: the history continues one the server holds, so a result
-    whose call is in neither the list nor a reference answers a call held there."""
+    whose call is in neither the list nor a reference answers a call held there. User
+    messages before the first reply that open with a `context` prefix are the client's
+    context: fixed."""
     fixed: list[int] = []
     groups: list[Group] = []
     chars: list[int] = []
@@ -105,6 +110,7 @@ def parse(items: list[Any], prefix: str, min_score: float,
     refs_from: int | None = None  # the group of this turn's first item reference
     lead_in = False  # the last group holds only reasoning / references: it joins what follows
     reasoned: int | None = None  # the group of this turn's last reasoning item
+    opening = bool(context)  # before the first item that is neither fixed nor context
 
     def with_reasoning() -> bool:
         """Join the group of the last reasoning item (its response's): True if joined."""
@@ -133,11 +139,17 @@ def parse(items: list[Any], prefix: str, min_score: float,
         text_chars.append(n_text)
         pin, meta_here = message_pin(it, "input", i, first_text(content), prefix, min_score)
         has_meta = has_meta or meta_here
+        if t != "message":
+            opening = False
         if t == "message":
             role = it.get("role")
             if role in FIXED_ROLES:
                 fixed.append(i)
                 continue
+            if opening and role == "user" and opens_with(content, context):
+                fixed.append(i)
+                continue
+            opening = False
             if role == "user":
                 turn += 1
                 open_calls, refs_from, reasoned = {}, None, None
@@ -292,8 +304,9 @@ class OpenAIResponses(Wire):
             return "server_state"
         return None
 
-    def parse(self, items: list[Any], prefix: str, min_score: float) -> Conversation:
-        return parse(items, prefix, min_score)
+    def parse(self, items: list[Any], prefix: str, min_score: float,
+              context: tuple[str, ...] = ()) -> Conversation:
+        return parse(items, prefix, min_score, context=context)
 
     def parse_continuation(self, items: list[Any], prefix: str, min_score: float
                            ) -> Conversation:
@@ -313,6 +326,19 @@ class OpenAIResponses(Wire):
     def item_text(self, item: Any) -> str:
         content = _text_of(item) if isinstance(item, dict) else None
         return content if isinstance(content, str) else text_of(content)
+
+    def item_calls(self, item: Any) -> list[ToolCall]:
+        # `arguments` is JSON text already; a custom tool's `input` is free text; a
+        # built-in tool's call holds an object (local_shell_call's `action`: the command
+        # and its working_directory; apply_patch_call's `operation`: path and diff)
+        t = item_type(item) if isinstance(item, dict) else None
+        if t is None or not is_call(item, t):
+            return []
+        args = item.get("arguments")
+        if isinstance(args, str):
+            return [ToolCall(tool_name(item, t), args[:CALL_CHARS])]
+        given = next((item[k] for k in ("input", "action", "operation") if k in item), None)
+        return [ToolCall(tool_name(item, t), json_head(given, CALL_CHARS))]
 
     def note_item(self, note: str) -> dict[str, Any]:
         return {"type": "message", "role": "developer", "content": note}

@@ -27,6 +27,7 @@ def memgate(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           text=True, env=full_env, cwd=ROOT, timeout=120, check=False)
 
 
+@pytest.mark.slow
 def test_evict_table_explains_each_message() -> None:
     """The table lists every message with kept/dropped and the stage, then totals."""
     res = memgate("evict", "samples/chat_long_tools.json",
@@ -42,6 +43,7 @@ def test_evict_table_explains_each_message() -> None:
     assert "carry-over note (1 fields)" in res.stdout
 
 
+@pytest.mark.slow
 def test_evict_json_is_the_forwarded_body() -> None:
     """--json prints exactly what the gateway would forward under the config's mode."""
     on = memgate("evict", "samples/chat_long_tools.json", "--json",
@@ -54,6 +56,7 @@ def test_evict_json_is_the_forwarded_body() -> None:
     assert off.stdout.encode() == original + b"\n"
 
 
+@pytest.mark.slow
 def test_demo_runs_offline_and_shows_before_after() -> None:
     """memgate demo: mock upstream + gateway + samples, shadow then on via hot reload."""
     res = memgate("demo")
@@ -157,6 +160,7 @@ def test_command_errors_are_one_line_with_the_readmes_exit_code(
         assert out == "" or argv[0] == "stats", (argv, out)
 
 
+@pytest.mark.slow
 def test_serve_logs_no_upstream_password_or_query() -> None:
     """An upstream URL with user:password (an internal proxy behind basic auth) or a key
     in its query: the startup line names the upstream without them."""
@@ -185,6 +189,7 @@ def test_serve_logs_no_upstream_password_or_query() -> None:
     assert b"SECRET" not in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["replay", "ab", "{conv}", "--probes", "{bad}", "--upstream", "http://127.0.0.1:9",
      "--out", "{out}"],

@@ -71,6 +71,7 @@ def one_line_error(res: subprocess.CompletedProcess[str], code: int) -> str:
 # --------------------------------------------------------------------------- CLI errors
 
 
+@pytest.mark.slow
 def test_a_missing_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     """A file the user named that is not there: what and where, exit 2, no traceback."""
     line = one_line_error(memgate("evict", "nope.json", cwd=tmp_path), 2)
@@ -91,6 +92,7 @@ def test_other_missing_files_are_one_line_and_exit_2(
     assert line.startswith(where) and "nope" in line, line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_port_in_use_is_one_line_and_exit_1(workers: str) -> None:
     """serve on a port another socket holds: the address and why, exit 1 (the same with
@@ -127,6 +129,7 @@ def test_a_port_out_of_range_is_refused_with_serve_usage(
     assert "argument --port:" in res.stderr
 
 
+@pytest.mark.slow
 def test_port_0_binds_any_free_port_and_logs_the_bound_one(tmp_path: Path) -> None:
     """--port 0 is documented as any free port: the `listening` line names the real one."""
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", "0"],
@@ -172,6 +175,7 @@ def test_a_backend_without_its_env_var_is_caught_by_check_config_and_serve(
     assert ok.returncode == 0, ok.stderr
 
 
+@pytest.mark.slow
 def test_version_and_a_wrong_flag_shows_that_commands_usage(
         capsys: pytest.CaptureFixture[str]) -> None:
     """--version prints the version; a wrong flag after a subcommand shows its own usage."""
@@ -214,6 +218,7 @@ def test_every_flag_has_help_and_the_description_lists_every_subcommand() -> Non
 # --------------------------------------------------------------------------- config files
 
 
+@pytest.mark.slow
 def test_a_copied_config_falls_back_to_the_shipped_files(tmp_path: Path) -> None:
     """The shipped gateway.yaml copied alone to another folder loads with the shipped model
     map and carry patterns; a models.yaml beside it wins; a models_file that is named but

@@ -14,8 +14,11 @@ from pathlib import Path
 
 import anthropic
 import openai
+import pytest
 
 from tests.conftest import ROOT, SECRET
+
+pytestmark = pytest.mark.slow
 
 ENV = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT)}
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from gateway.cli import stats
 from gateway.cli.mock_upstream import create_mock_app
@@ -23,6 +24,8 @@ from gateway.decide.chat import decide
 from gateway.measure.tokens import Tokenizers
 from gateway.wire import WIRES
 from tests.conftest import SECRET, GatewayFactory, Upstream, sample
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "rules" / "gateway.yaml")

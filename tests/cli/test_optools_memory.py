@@ -133,6 +133,7 @@ async def test_cli_refuses_an_unknown_field_in_one_line(
 ALL_FIELDS = sorted({k for fields in RECORD_FIELDS.values() for k in fields})
 
 
+@pytest.mark.slow
 @given(st.sampled_from(["turn", "message", "session"]), st.data())
 def test_a_field_outside_its_kind_is_never_dropped_silently(kind: str, data: st.DataObject
                                                             ) -> None:

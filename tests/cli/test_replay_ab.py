@@ -11,6 +11,8 @@ import pytest
 
 from gateway.cli.mock_upstream import create_mock_app
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

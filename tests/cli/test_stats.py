@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import orjson
+import pytest
 
 from gateway.cli import stats
 from gateway.config.rules import load_rules
@@ -50,6 +51,7 @@ def test_mem_logs_and_long_tail() -> None:
     assert s["sessions"]["top10pct_share_of_tokens"] == round(9100 / 10000, 4)
 
 
+@pytest.mark.slow
 def test_policy_simulation_cli() -> None:
     """--config simulates the policy: evicted requests and dropped messages as evict says."""
     res = subprocess.run([sys.executable, "-m", "gateway", "stats", "samples", "--config",

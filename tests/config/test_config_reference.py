@@ -24,9 +24,10 @@ PAGE = ROOT / "docs" / "configuration.md"
 SHIPPED = ROOT / "rules" / "gateway.yaml"
 
 # default "not set", and the loader refuses null for them (a string is required), so the
-# shipped file can only show them as comments; memory.write is memory.carry's alias
+# shipped file can only show them as comments; memory.write is memory.carry's alias,
+# session.header the older spelling of session.id_from's first source
 NOT_SHIPPED = frozenset({"memory.write", "memory.carry.rules_file", "tokens.models_file",
-                         "upstreams[].api_key_env", "upstreams[].proxy"})
+                         "upstreams[].api_key_env", "upstreams[].proxy", "session.header"})
 NOT_SHIPPED_SECTION = "## Keys documented here but not in the shipped file"
 _ROW_KEY = re.compile(r"^\|\s*`([^`]+)`\s*\|")
 
@@ -84,11 +85,11 @@ def test_the_page_says_why_each_unshipped_key_is_not_shipped() -> None:
 def test_the_page_lists_every_key_the_loader_prints() -> None:
     """The loader's side: what `memgate check-config` prints for the shipped file is the
     page's keys, but for the two optional upstream keys it prints only when set and the
-    alias it never prints."""
+    alias and the older spelling it never prints."""
     printed = flatten(effective_config(load_rules(SHIPPED, {})))
     documented = set(page_keys(PAGE.read_text(encoding="utf-8")))
     assert sorted(documented ^ printed) == sorted(
-        {"memory.write", "upstreams[].api_key_env", "upstreams[].proxy"})
+        {"memory.write", "upstreams[].api_key_env", "upstreams[].proxy", "session.header"})
 
 
 def test_flatten_and_the_page_reader_on_small_inputs() -> None:

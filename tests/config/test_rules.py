@@ -78,6 +78,7 @@ def test_missing_file_is_a_rules_error(tmp_path: Path) -> None:
         load_rules(tmp_path / "gone.yaml", {})
 
 
+@pytest.mark.slow
 def test_check_config_cli(tmp_path: Path) -> None:
     """memgate check-config prints the effective config or file:line: key: reason, exit 2."""
     ok = subprocess.run([sys.executable, "-m", "gateway", "check-config",
@@ -122,6 +123,7 @@ def check_config(path: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, check=False, cwd=ROOT, timeout=60)
 
 
+@pytest.mark.slow
 def test_seed_000_memory_write_block_is_the_carry_section(tmp_path: Path) -> None:
     """000's `memory.write` skeleton loads as memory.carry (its alias) with the seed's values,
     through the loader and through `memgate check-config`."""
@@ -159,6 +161,7 @@ def test_memory_write_errors_name_the_spelling_used(tmp_path: Path) -> None:
     assert exc.value.key == "memory.write.ref_ttl_turns" and exc.value.line == 8
 
 
+@pytest.mark.slow
 def test_missing_carry_patterns_file_falls_back_or_is_explained(tmp_path: Path) -> None:
     """The seed block pasted into a config with no carry.yaml beside it uses the shipped
     patterns; a rules_file that is named but absent is refused with its key and path."""
@@ -175,6 +178,7 @@ def test_missing_carry_patterns_file_falls_back_or_is_explained(tmp_path: Path) 
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 def test_seed_003_parameters_at_the_top_level_say_where_they_live(tmp_path: Path) -> None:
     """003's parameter list pasted at the top level is refused with where each key lives."""
     cfg = tmp_path / "g.yaml"
@@ -208,6 +212,7 @@ def test_a_key_of_another_section_names_that_section(
     assert exc.value.reason.startswith("unknown key here; it belongs ") and home in exc.value.reason
 
 
+@pytest.mark.slow
 def test_seed_003_parameters_under_store_are_accepted(tmp_path: Path) -> None:
     """The same list indented under `store:` (its placeholder filled in) loads as written."""
     cfg = tmp_path / "g.yaml"

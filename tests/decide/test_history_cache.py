@@ -79,6 +79,7 @@ def session(draw: st.DrawFn) -> tuple[str, list[bytes]]:
     return name, bodies
 
 
+@pytest.mark.slow
 @given(s=session(), memory=memory_rules())
 @settings()
 def test_cache_changes_nothing(s: tuple[str, list[bytes]], memory: dict[str, Any]) -> None:
@@ -90,6 +91,7 @@ def test_cache_changes_nothing(s: tuple[str, list[bytes]], memory: dict[str, Any
         assert decided(raw, rules, wire, cache) == decided(raw, rules, wire, None)
 
 
+@pytest.mark.slow
 @given(s=session(), memory=memory_rules(), data=st.data())
 @settings()
 def test_overlapping_requests_count_the_same(s: tuple[str, list[bytes]],
@@ -117,6 +119,7 @@ def test_overlapping_requests_count_the_same(s: tuple[str, list[bytes]],
         assert d.est_tokens() == decide(body, orjson.loads(body), rules, TOK, wire).est_tokens()
 
 
+@pytest.mark.slow
 @given(msgs=conversation(), name=st.sampled_from(sorted(WIRES)), data=st.data())
 @settings()
 def test_parse_splits_at_turn_starts(msgs: list[dict[str, Any]], name: str,
@@ -255,6 +258,7 @@ def test_growing_session_resumes_checkpoints_exactly(low_water: float) -> None:
     assert len(cuts) >= 4  # the cut moved: checkpoints beyond the first were used
 
 
+@pytest.mark.slow
 @given(s=session(), memory=memory_rules(), which=st.sampled_from(["evicted", "all"]))
 @settings()
 def test_archiving_from_where_the_session_left_off_archives_the_same_turns(

@@ -99,6 +99,7 @@ def rules_section(draw: st.DrawFn) -> dict[str, Any]:
     return memory
 
 
+@pytest.mark.slow
 @given(s=session(), memory=rules_section())
 @settings()
 def test_plan_shortcuts_change_nothing(s: tuple[str, list[bytes]], memory: dict[str, Any]

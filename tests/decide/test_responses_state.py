@@ -7,6 +7,7 @@ from typing import Any
 
 import openai
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -156,6 +157,7 @@ def by_reference(body: dict[str, Any], refer: list[bool]) -> dict[str, Any]:
     return {**body, "input": out}
 
 
+@pytest.mark.slow
 @given(msgs=conversation(), memory=memory_rules(), refer=st.lists(st.booleans(), min_size=1,
                                                                    max_size=4))
 @settings()

@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -69,6 +70,7 @@ def check(raw: bytes, rec: splice.Splice, prev: dict[str, Any]) -> bool:
     return True
 
 
+@pytest.mark.slow
 @given(p=body(), fmt=st.sampled_from(sorted(FORMATS)), more=st.lists(ITEM, max_size=3),
        edit=st.integers(0, 5), data=st.data())
 @settings(max_examples=300)
@@ -110,6 +112,7 @@ def test_splice_is_the_whole_parse_or_nothing(p: dict[str, Any], fmt: str, more:
 PLANTED = b'"messages": [{"role": "user", "content": "planted"}, {"role": "user", "content": "2"}]'
 
 
+@pytest.mark.slow
 @given(p=body(), fmt=st.sampled_from(sorted(FORMATS)), more=st.lists(ITEM, max_size=3),
        dup=st.sampled_from([PLANTED, b'"model":"evil-model"', b'"max_tokens":1', b'"x":null']))
 @example(p={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "a"}] * 2},
@@ -155,6 +158,7 @@ def test_records_serve_only_their_own_tenant() -> None:
         assert cache.unmarked_from(grown, OPENAI_CHAT, other) == 0
 
 
+@pytest.mark.slow
 @given(p=body(), fmt=st.sampled_from(sorted(FORMATS)),
        grows=st.lists(st.lists(ITEM, min_size=1, max_size=3), min_size=1, max_size=3),
        seed=st.sampled_from(["first", "spliced"]))
@@ -199,6 +203,7 @@ MARKED = st.lists(st.sampled_from(["memgate", "mem", "gate", "\\u00", "\\u006d",
                   max_size=4).map("".join)
 
 
+@pytest.mark.slow
 @given(p=body(), fmt=st.sampled_from(sorted(FORMATS)), more=st.lists(MARKED, max_size=3),
        noise=st.binary(max_size=10), at=st.none() | st.integers(0, 1 << 20),
        scans=st.tuples(st.booleans(), st.booleans()))
@@ -240,6 +245,7 @@ def test_marker_search_from_a_record_is_the_whole_search(
                     == splice.unmarked(later))
 
 
+@pytest.mark.slow
 @given(p=body(), fmt=st.sampled_from(sorted(FORMATS)))
 def test_located_offset_is_the_last_items_start(p: dict[str, Any], fmt: str) -> None:
     """The scanner (any formatting) finds the same offset as the orjson fast way."""

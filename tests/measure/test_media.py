@@ -330,6 +330,7 @@ async def test_an_anthropic_image_costs_its_formula_not_the_text_factor(
     assert plain >= math.ceil(text * gw.state.rules.approx_token_factor) > text
 
 
+@pytest.mark.slow
 @given(st.lists(st.one_of(st.text(max_size=40), st.integers(0, 50),
                           st.builds(media.Media, st.integers(0, 5000), st.integers(0, 9))),
                 max_size=8),

@@ -181,6 +181,7 @@ async def test_refused_redis_keeps_the_mem_line_and_says_so(redis_gateway: Any,
 SHADOW = {"enable_eviction": False, "shadow": True}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("memory", [EVICT, SHADOW], ids=["evict", "shadow"])
 async def test_hung_redis_costs_no_time_per_request(redis_gateway: Any,
                                                     memory: dict[str, Any]) -> None:
@@ -452,6 +453,7 @@ async def test_readyz_reports_backends_and_the_last_reload(gateway: GatewayFacto
     assert ready["status"] == "ready" and "error" not in ready["reload"]
 
 
+@pytest.mark.slow
 async def test_full_disk_loses_archive_writes_not_requests(upstream: Upstream,
                                                            tmp_path: Path) -> None:
     """SQLite on a 256 KiB tmpfs (`memgate serve` in its own mount namespace, so nothing

@@ -195,6 +195,7 @@ async def test_postgres_backend_through_the_gateway(gateway: GatewayFactory) -> 
         await gw.server.close()
 
 
+@pytest.mark.slow
 def test_memory_cli_round_trip(tmp_path: Path) -> None:
     """memgate memory write / search / get against the embedded store."""
     import subprocess
@@ -226,6 +227,7 @@ def test_memory_cli_round_trip(tmp_path: Path) -> None:
     assert again.returncode == 2 and "exists already" in again.stderr
 
 
+@pytest.mark.slow
 def test_evict_offline_includes_recall(tmp_path: Path) -> None:
     """memgate evict --json goes through recall too: the dropped answer comes back in the note."""
     import subprocess

@@ -108,6 +108,7 @@ async def start_serve_as(uid: int | None, config: Path, cwd: Path) -> tuple[Any,
             await asyncio.sleep(0.1)
 
 
+@pytest.mark.slow
 async def test_read_only_sqlite_directory_is_503(tmp_path: Path) -> None:
     """A SQLite store in a read-only directory (root ignores modes: the server then runs as
     nobody) answers writes with a shaped 503 naming the cause, not a text/plain 500."""
@@ -316,6 +317,7 @@ async def fuzz_target(gateway: GatewayFactory, tmp_path: Path) -> AsyncIterator[
         yield s, f"{gw.url}/v1/memories"
 
 
+@pytest.mark.slow
 @given(body=st.one_of(record_bodies, search_bodies, json_values,
                      st.builds(lambda r: {"records": r}, st.lists(record_bodies, max_size=3))),
        route=st.sampled_from(["", "/search"]))
@@ -392,6 +394,7 @@ async def test_archived_turns_with_nul_and_a_long_agent_id_are_stored(
         assert status == 200 and "ZEBRA\ufffdx" in found["results"][0]["text"]
 
 
+@pytest.mark.slow
 async def test_a_sqlite_file_locked_by_another_writer_answers_503s_in_seconds(
     gateway: GatewayFactory, tmp_path: Path
 ) -> None:
@@ -444,6 +447,7 @@ async def test_a_sqlite_file_locked_by_another_writer_answers_503s_in_seconds(
             await locker.wait()
 
 
+@pytest.mark.slow
 async def test_a_postgres_that_hangs_costs_one_connect_timeout_not_one_per_call(
     gateway: GatewayFactory
 ) -> None:

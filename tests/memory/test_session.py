@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict
@@ -126,6 +127,7 @@ def test_tenants_config_is_validated_and_described() -> None:
                      "client_keys_sha256": [good, "b" * 64], "allow_any_client": False}
 
 
+@pytest.mark.slow
 def test_hash_key_prints_what_the_allowlist_compares() -> None:
     """memgate hash-key reads the key from stdin (a bare key or `Bearer <key>`) and prints
     the digest the allowlist admits; no usable key is exit 2."""

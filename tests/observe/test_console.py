@@ -32,6 +32,7 @@ def expanded(strip: tuple[tuple[int, int, str], ...]) -> list[str]:
     return [kind for _, count, kind in strip for _ in range(count)]
 
 
+@pytest.mark.slow
 @given(msgs=conversation(), memory=memory_rules(), shadow=st.booleans())
 @settings(max_examples=min(SETTINGS.max_examples, 40))  # the planner's own properties run more
 def test_strip_is_the_plan_message_by_message(msgs: list[dict[str, Any]],
@@ -365,6 +366,7 @@ async def console_page(port: int, path: str = "/admin/console") -> tuple[int, st
     return int(head.split(b" ", 2)[1]), body.decode()
 
 
+@pytest.mark.slow
 async def test_with_workers_each_page_says_which_worker_it_shows(
         upstream: Upstream, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`serve --workers 2`: every page names the worker that rendered it (index and pid,

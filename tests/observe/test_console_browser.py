@@ -22,6 +22,8 @@ from tests.conftest import ROOT, SECRET, Gateway, GatewayFactory, Upstream
 from tests.policy.test_carry import long_session
 from tests.wire.test_wire_sdks import long_anthropic_history
 
+pytestmark = pytest.mark.slow
+
 CHROMIUM = Path("/usr/bin/chromium")
 TOKEN = "adm-" + SECRET[::-1]
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -18,7 +18,7 @@ from gateway.cli.mock_upstream import RECORD, create_mock_app
 from gateway.config.carry import Prefilter, load_carry_patterns
 from gateway.config.rules import load_rules
 from gateway.errors import RulesError
-from gateway.policy.carry import Fold, Message, Snapshot, build_snapshot, render_note
+from gateway.policy.carry import Fold, Message, Snapshot, ToolCall, build_snapshot, render_note
 from tests.carry_labelled import labelled_sessions
 from tests.conftest import SECRET, GatewayFactory, Upstream
 
@@ -27,6 +27,7 @@ RULES = load_rules(ROOT / "rules" / "gateway.yaml", {})
 CASES = sorted(p.stem for p in (ROOT / "samples" / "carry").glob("*.jsonl"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_seed_cases_replay_and_self_check(case: str) -> None:
     """memgate replay expect passes every seed case, and catches every corrupted expectation."""
@@ -39,6 +40,7 @@ def test_seed_cases_replay_and_self_check(case: str) -> None:
     assert res.stdout.count("caught") == res.stdout.count(" OK") > 0
 
 
+@pytest.mark.slow
 def test_replay_expect_reports_a_wrong_expectation(tmp_path: Path) -> None:
     """A wrong expectation prints turn N key FAIL got=... want=... and exits 1."""
     bad = tmp_path / "bad.yaml"
@@ -302,8 +304,8 @@ class _ScanAllFold(Fold):
         super().__init__(p)
         self.seen: dict[tuple[str, str], None] = {}
 
-    def _mention(self, rtype: str, value: str, turn: int) -> None:
-        super()._mention(rtype, value, turn)
+    def _mention(self, rtype: str, value: str, turn: int, via: str = "text") -> None:
+        super()._mention(rtype, value, turn, via)
         self.seen.pop((rtype, value), None)
         self.seen[(rtype, value)] = None
 
@@ -331,10 +333,28 @@ class _ScanAllFold(Fold):
 _PIECES = ["/data/a.csv", "/srv/b", "report.json", "notes.md", "yesterday", "2024-05-01",
            "pay 服务", "that file", "that path", "it", "the former", "the latter", "它",
            "前一个", "后一个", "那个服务", "https://x.io/y", "last week", "and", "ok",
-           "write to", "summarize", "should I?", "done", "yes"]
+           "write to", "summarize", "should I?", "done", "yes", "src/m.py", "cd /srv/b",
+           "> out/r.txt", "\n*** Update File: notes.md\n", "Finished."]
+# an assistant's tool call: a tool whose first word's path is its file_path argument, and
+# the whole text its command
+_CALLS = ["call:Read", "call:Write", "call:Bash", "call:shell"]
 
 
-@given(msgs=st.lists(st.tuples(st.sampled_from(["user", "assistant", "tool"]),
+def _message(turn: int, role: str, words: list[str]) -> Message:
+    """A message of the drawn role; a `call:` role is an assistant message making one tool
+    call (Claude Code's file tools and Bash, Codex's shell with its workdir)."""
+    text = " ".join(words)
+    if not role.startswith("call:"):
+        return Message(turn, role, text)
+    name = role.removeprefix("call:")
+    args: dict[str, Any] = (
+        {"command": ["bash", "-lc", text], "workdir": words[0]} if name == "shell"
+        else {"command": text, "description": "run"} if name == "Bash"
+        else {"file_path": words[0], "content": text})
+    return Message(turn, "assistant", "", (ToolCall(name, orjson.dumps(args).decode()),))
+
+
+@given(msgs=st.lists(st.tuples(st.sampled_from(["user", "assistant", "tool", *_CALLS]),
                                st.lists(st.sampled_from(_PIECES), min_size=1, max_size=6)),
                      max_size=30),
        ttl=st.integers(0, 4), later=st.integers(0, 6), pending=st.booleans(),
@@ -351,7 +371,9 @@ def test_fold_snapshot_is_the_scan_of_every_ref(
     """Per-type indexes, the fresh-suffix walk and forgetting what no later snapshot can
     carry change nothing: the same snapshot, at every step (also some turns later), as
     the fold that scans every ref seen so far and forgets none — fields and, when asked
-    for, the list of what was left out (the gateway prunes only when it is not)."""
+    for, the list of what was left out (the gateway prunes only when it is not). Tool
+    calls among the messages: the files they touch and write, their working directory
+    and the closing text of the last task that made calls come out the same too."""
     from gateway.config.schema import ALL_FIELDS, CarryRules
 
     rules = CarryRules(keep_fields=ALL_FIELDS, ref_ttl_turns=ttl, no_pending_reference=pending,
@@ -359,7 +381,7 @@ def test_fold_snapshot_is_the_scan_of_every_ref(
     patterns = RULES.memory.carry_patterns
     fast, slow = Fold(patterns), _ScanAllFold(patterns)
     for turn, (role, words) in enumerate(msgs, start=1):
-        m = Message(turn, role, " ".join(words))
+        m = _message(turn, role, words)
         fast.add(m)
         slow.add(m)
         fast.prune(rules, turn)  # a checkpoint: later snapshots are at this turn or after
@@ -373,10 +395,11 @@ def test_fold_snapshot_is_the_scan_of_every_ref(
 
 _MANY = [*(f"/data/f{k}.csv" for k in range(6)), *(f"/srv/d{k}" for k in range(6)),
          *(f"r{k}.json" for k in range(4)), "that file", "that path", "it", "the former",
-         "the latter", "前一个", "write to", "summarize", "and", "done", "should I?", "yes"]
+         "the latter", "前一个", "write to", "summarize", "and", "done", "should I?", "yes",
+         "src/a.py", "cd src", "> r1.json"]
 
 
-@given(msgs=st.lists(st.tuples(st.sampled_from(["user", "assistant"]),
+@given(msgs=st.lists(st.tuples(st.sampled_from(["user", "assistant", *_CALLS]),
                                st.lists(st.sampled_from(_MANY), min_size=1, max_size=5)),
                      max_size=40),
        ttl=st.integers(0, 3), later=st.integers(0, 4), every=st.integers(1, 4))
@@ -392,14 +415,16 @@ def test_pruned_checkpoints_give_the_same_snapshots(
         msgs: list[tuple[str, list[str]]], ttl: int, later: int, every: int) -> None:
     """Many refs of each type, phrases resolving to old ones: a fold pruned at its
     checkpoints (every few turns) gives the snapshot fields of one that keeps every
-    ref, at every step and some turns later."""
+    ref, at every step and some turns later; tool calls (files read, written, a `cd`)
+    among them. (Checked against a planted bug: a file counted as written when a tool
+    ever wrote it, not within ref_ttl_turns — what a pruned checkpoint forgets.)"""
     from gateway.config.schema import ALL_FIELDS, CarryRules
 
     rules = CarryRules(keep_fields=ALL_FIELDS, ref_ttl_turns=ttl, log_skipped=False)
     patterns = RULES.memory.carry_patterns
     pruned, whole = Fold(patterns), Fold(patterns)
     for turn, (role, words) in enumerate(msgs, start=1):
-        m = Message(turn, role, " ".join(words))
+        m = _message(turn, role, words)
         if turn % every == 0:
             pruned.prune(rules, turn)
             pruned = pruned.copy()

@@ -204,6 +204,7 @@ def pairs_whole(api: str, msgs: list[dict[str, Any]]) -> bool:
     return calls == results
 
 
+@pytest.mark.slow
 @given(case=agent_body(), budget=st.sampled_from([300, 800, 2000]),
        unit=st.sampled_from(["turn", "group"]), keep_recent=st.integers(0, 2),
        low_water=st.sampled_from([0.6, 1.0]))
@@ -578,6 +579,7 @@ _json_value = st.recursive(
     max_leaves=60)
 
 
+@pytest.mark.slow
 @given(value=st.one_of(_json_value, st.lists(st.dictionaries(
            st.sampled_from(["id", "status"]), _scalar, min_size=1), min_size=5, max_size=30)),
        indent=st.sampled_from([None, 1]))

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai import AsyncOpenAI
@@ -16,6 +17,7 @@ from openai import AsyncOpenAI
 from gateway.config.rules import build_rules
 from gateway.config.schema import Rules
 from gateway.decide.chat import decide
+from gateway.decide.decision import Decision
 from gateway.measure.conversation import Conversation, Group
 from gateway.measure.tokens import Tokenizers
 from gateway.policy import fill
@@ -109,6 +111,17 @@ def chat_rules(share: float, budget: int = 400, **eviction: Any) -> Rules:
         "tokens": {"models_file": "rules/models.yaml"}}, base_dir=ROOT)
 
 
+def floor_tokens(d: Decision) -> int:
+    """What a chat history's floor costs: the tool schemas and priming, the system message
+    (the first) and the current turn (the last message), counted apart from the plan."""
+    return d.overhead_tokens() + d.message_tokens(0) + d.message_tokens(len(d.messages) - 1)
+
+
+def history_tokens(d: Decision) -> int:
+    """The forwarded request's tokens on top of the floor: what the budget counts."""
+    return d.kept_tokens() - floor_tokens(d)
+
+
 def long_chat(question: str) -> list[dict[str, Any]]:
     msgs: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
     for t in range(40):
@@ -131,7 +144,7 @@ def test_plan_recalls_the_relevant_dropped_turn_within_budget() -> None:
     assert 7 not in off.plan.kept and off.plan.recalled == ()
     assert 7 in on.plan.recalled and 7 in on.plan.kept
     assert on.plan.recalled_tokens == sum(on.message_tokens(i) for i in on.plan.recalled)
-    assert not on.plan.over_budget and on.kept_tokens() <= 400
+    assert not on.plan.over_budget and history_tokens(on) <= 400
     out = orjson.loads(on.forward)["messages"]
     assert out[-1] == msgs[-1] and out[0] == msgs[0]
     j = out.index(msgs[7])
@@ -187,7 +200,7 @@ def test_fill_brings_back_what_each_tool_turn_was_asked_first() -> None:
     raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
     d = decide(raw, orjson.loads(raw), chat_rules(0.4, budget=1500), TOK)
     assert d.plan is not None and d.plan.dropped and not d.plan.over_budget
-    assert d.kept_tokens() <= 1500
+    assert history_tokens(d) <= 1500
     out = orjson.loads(d.forward)["messages"]
     requests = [m for m in msgs[:-1] if m["role"] == "user"]
     assert all(m in out for m in requests), [m["content"] for m in requests if m not in out]
@@ -315,7 +328,7 @@ def test_message_and_char_caps_count_recalled_messages() -> None:
     for cap in range(300, 2400, 150):
         d = decide(raw, orjson.loads(raw), capped(0.3, max_chars=cap, max_tokens=6000), TOK)
         assert d.plan is not None and not d.plan.over_budget
-        assert sum(chars[i] for i in d.plan.kept) <= cap
+        assert sum(chars[i] for i in d.plan.kept) - chars[0] - chars[-1] <= cap
         assert 7 in d.plan.recalled
 
 
@@ -340,6 +353,7 @@ async def test_http_shipped_caps_recall_within_every_cap(
 CHAT_WORDS = ["cat", "garden", "weather", "sister", "Marmalade", "budget", "预算", "trip"]
 
 
+@pytest.mark.slow
 @given(turns=st.lists(st.lists(st.sampled_from(CHAT_WORDS), min_size=1, max_size=12),
                       min_size=2, max_size=24),
        question=st.lists(st.sampled_from(CHAT_WORDS), min_size=1, max_size=3),
@@ -367,18 +381,19 @@ def test_every_cap_bounds_the_forward_and_the_stable_part_its_share(
     d = decide(raw, orjson.loads(raw), rules, TOK)
     p = d.plan
     assert p is not None
-    if p.over_budget:  # system + the current turn alone exceed a cap
+    if p.over_budget:  # system + the current turn alone exceed a message or turn cap
         return
     chars = [len(m["content"]) for m in msgs]
+    floor_chars = chars[0] + chars[-1]  # the token and character caps count on top of it
 
     def within(kept: list[int], part: float) -> bool:
         def cap(n: int | None) -> int | None:
             return None if n is None else max(1, int(n * part))
         t, m, c = cap(max_turns), cap(max_messages), cap(max_chars)
         return ((t is None or turns_of(kept) <= t) and (m is None or len(kept) <= m)
-                and (c is None or sum(chars[i] for i in kept) <= c))
+                and (c is None or sum(chars[i] for i in kept) - floor_chars <= c))
 
-    assert within(list(p.kept), 1.0) and d.kept_tokens() <= max_tokens
+    assert within(list(p.kept), 1.0) and history_tokens(d) <= max_tokens
     if p.dropped or p.recalled:  # the fill ran: the stable part was planned under its share
         stable = [i for i, why in zip(p.kept, p.kept_by) if why != "recalled"]
         floor = [i for i, why in zip(p.kept, p.kept_by) if why in ("system", "current")]
@@ -403,6 +418,7 @@ def shipped(**budget: Any) -> Rules:
     return build_rules(cfg, base_dir=ROOT / "rules")
 
 
+@pytest.mark.slow
 @given(turns=st.lists(st.sampled_from(NOTE_TURNS), min_size=3, max_size=40),
        max_tokens=st.integers(60, 400),
        max_messages=st.none() | st.integers(4, 30),
@@ -412,8 +428,8 @@ def test_the_carry_note_is_counted_into_every_budget(
         turns: list[str], max_tokens: int, max_messages: int | None,
         max_chars: int | None) -> None:
     """With the carry note the fill leaves room for: what is forwarded, the note
-    included, is within max_tokens (the gateway's counts), max_messages and max_chars,
-    unless the floor alone is over."""
+    included, is within max_tokens (the gateway's counts) and max_chars on top of the
+    floor (system, the current turn), and within max_messages, unless over budget."""
     msgs: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
     for k, text in enumerate(turns):
         msgs += [{"role": "user", "content": text.format(k=k)},
@@ -429,9 +445,10 @@ def test_the_carry_note_is_counted_into_every_budget(
     note = [m for m in sent if m["role"] == "system" and m["content"] == d.note]
     assert len(note) == (d.note is not None)
     tokens = d.overhead_tokens() + sum(d.wire.item_tokens(m, d.counter) for m in sent)
-    assert tokens <= max_tokens
+    assert tokens - floor_tokens(d) <= max_tokens
     assert max_messages is None or len(sent) <= max_messages
-    assert max_chars is None or sum(len(m["content"]) for m in sent) <= max_chars
+    floor_chars = len(msgs[0]["content"]) + len(msgs[-1]["content"])
+    assert max_chars is None or sum(len(m["content"]) for m in sent) - floor_chars <= max_chars
 
 
 def test_recall_leaves_messages_with_a_cache_breakpoint_dropped() -> None:
@@ -464,6 +481,7 @@ def test_recall_leaves_messages_with_a_cache_breakpoint_dropped() -> None:
     assert 0 not in d.plan.kept and 1 not in d.plan.kept
 
 
+@pytest.mark.slow
 @given(dfs=st.lists(st.integers(1, 12), min_size=1, max_size=8),
        per_term=st.integers(1, 6), in_all=st.integers(1, 30),
        below=st.none() | st.integers(0, 41), data=st.data())

@@ -127,19 +127,33 @@ def test_order_puts_recent_turns_before_pins() -> None:
     assert 0 in p2.kept
 
 
+def test_the_budget_counts_the_history_on_top_of_the_floor() -> None:
+    """A system prompt and a current turn far over the budget cut nothing: the budget
+    counts what can be cut, and the floor comes on top (fixed_tokens says how much);
+    the history over the budget is cut to it."""
+    big_sys = {"role": "system", "content": "s" * 5000}
+    p = plan_of([big_sys, u("old"), a("old"), u("x" * 500)], rules(budget={"max_chars": 100}))
+    assert p.kept == (0, 1, 2, 3) and not p.over_budget and not p.dropped
+    msgs = [big_sys, u("o" * 60), a("o" * 60), u("n" * 30), a("n" * 30), u("x" * 500)]
+    p = plan_of(msgs, rules(budget={"max_chars": 100, "max_tokens": 10_000}))
+    assert p.kept == (0, 3, 4, 5) and not p.over_budget
+    assert p.fixed_chars == 5000 + 500 and p.kept_chars - p.fixed_chars <= 100
+    assert p.fixed_tokens is not None and p.fixed_tokens > 5000 // 8
+
+
 def test_over_budget_forwards_forced_part() -> None:
-    """System + current turn over budget: forwarded as is, flagged over_budget."""
-    msgs = [SYS, u("old"), a("old"), u("x" * 500)]
+    """Pins beyond the history budget: forwarded as they are, flagged over_budget."""
+    msgs = [SYS, u("[PIN] " + "p" * 300), a("ok"), u("old"), a("old"), u("x" * 500)]
     p = plan_of(msgs, rules(budget={"max_chars": 100}))
-    assert p.kept == (0, 3) and p.over_budget
+    assert p.kept == (0, 1, 5) and p.over_budget
 
 
 def test_over_budget_reject_is_a_400() -> None:
     """on_over_budget: reject refuses with a clear error instead."""
-    msgs = [SYS, u("x" * 500)]
+    msgs = [SYS, u("[PIN] " + "p" * 300), a("ok"), u("x" * 500)]
     raw = orjson.dumps({"model": "gpt-4o-mini", "messages": msgs})
     r = rules(budget={"max_chars": 100}, eviction={"on_over_budget": "reject"})
-    with pytest.raises(OverBudget, match="current turn"):
+    with pytest.raises(OverBudget, match="pinned messages"):
         decide(raw, orjson.loads(raw), r, TOK)
 
 

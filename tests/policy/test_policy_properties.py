@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.config.rules import build_rules
-from gateway.config.schema import Rules
+from gateway.config.schema import CONTEXT_PREFIXES, Rules
 from gateway.decide.chat import decide
 from gateway.decide.decision import Decision
 from gateway.measure.conversation import is_active
@@ -23,6 +24,8 @@ from gateway.policy.length import checkpoint_turns
 from gateway.policy.state import State, caps
 from gateway.wire import openai_chat
 from tests.strategies import conversation, memory_rules
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZERS = Tokenizers(50_000)
@@ -101,24 +104,62 @@ def test_structure_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]
     assert first["role"] == "user"
 
 
+def floor_of(msgs: list[dict[str, Any]]) -> set[int]:
+    """What the budget never counts, found from the chat history alone: system and
+    developer messages, the user messages of the opening context (before the first other
+    message, opening with a context prefix), and the current turn (from the last user
+    message, or from the first of the user messages the history ends with)."""
+    fixed: set[int] = set()
+    opening = True
+    for i, m in enumerate(msgs):
+        if m["role"] in ("system", "developer"):
+            fixed.add(i)
+        elif opening and m["role"] == "user" and str(m["content"]).lstrip().startswith(
+                CONTEXT_PREFIXES):
+            fixed.add(i)
+        else:
+            opening = False
+    users = [i for i, m in enumerate(msgs) if m["role"] == "user" and i not in fixed]
+    start = users[-1] if users else len(msgs)
+    k = len(msgs)
+    while k and msgs[k - 1]["role"] == "user" and k - 1 not in fixed:
+        k -= 1
+    return fixed | set(range(min(start, k), len(msgs)))
+
+
 @given(msgs=conversation(), memory=memory_rules())
 @SETTINGS
 def test_budget_respected_unless_over_budget(
     msgs: list[dict[str, Any]], memory: dict[str, Any]
 ) -> None:
-    """Kept history fits every limit, or over_budget is set and only forced parts were kept."""
+    """The kept history fits every limit on top of the floor (what is never cut: system,
+    the opening context, the current turn), or over_budget is set and only forced parts
+    were kept; a history that fits on top of the floor is kept whole (without compaction,
+    which counts old results of the current turn as history)."""
     rules = make_rules(memory)
     d = run(msgs, rules)
     p = d.plan
-    assert p is not None
+    assert p is not None and d.conv is not None
     b = rules.memory.budget
-    tokens = d.overhead_tokens() + sum(d.message_tokens(i) for i in p.kept)
-    chars = sum(d.conv.text_chars[i] for i in p.kept) if d.conv else 0
+    floor = floor_of(msgs)
+    floor_tokens = d.overhead_tokens() + sum(d.planned_tokens(i) for i in floor)
+    floor_chars = sum(d.conv.text_chars[i] for i in floor)
+    tokens = d.overhead_tokens() + sum(d.planned_tokens(i) for i in p.kept) - floor_tokens
+    chars = sum(d.conv.text_chars[i] for i in p.kept) - floor_chars
     fits = (
         (b.max_tokens is None or tokens <= b.max_tokens)
         and (b.max_chars is None or chars <= b.max_chars)
         and (b.max_messages is None or len(p.kept) <= b.max_messages)
     )
+    order = rules.memory.eviction.order
+    everything = (
+        (b.max_tokens is None or d.overhead_tokens() + sum(
+            d.planned_tokens(i) for i in range(len(msgs))) - floor_tokens <= b.max_tokens)
+        and (b.max_chars is None or sum(d.conv.text_chars) - floor_chars <= b.max_chars)
+        and (b.max_messages is None or len(msgs) <= b.max_messages)
+        and (b.max_turns is None or d.conv.n_turns <= b.max_turns))
+    if everything and "compact_tools" not in order and not p.over_budget:
+        assert not p.dropped, (p.dropped, floor)
     order = rules.memory.eviction.order
     if "length" in order:
         assert fits or p.over_budget
@@ -255,7 +296,8 @@ def test_cut_stays_while_it_fits(
     msgs: list[dict[str, Any]], max_chars: int, max_messages: int | None, low_water: float
 ) -> None:
     """Along a growing session, the forwarded prefix stays byte-identical whenever the
-    previous forwarded messages plus the new ones still fit the budget (unless the previous
+    previous forwarded messages plus the new ones still fit the budget on top of the floor
+    (system, opening context, the current turn) (unless the previous
     cut was the plain-fill fallback, taken when system + current turn exceed the low-water
     share); every request respects the budget; a lost state (restart) recomputes the very
     same cut. (The fill is off here: with it on, the stable part is this same cut under the
@@ -272,12 +314,13 @@ def test_cut_stays_while_it_fits(
         history = msgs[: end + 1]
         d = run(history, rules)
         p = d.plan
-        assert p is not None
+        assert p is not None and d.conv is not None
+        floor_chars = sum(d.conv.text_chars[i] for i in floor_of(history))
         if not p.over_budget:
-            assert p.kept_chars <= max_chars
+            assert p.kept_chars - floor_chars <= max_chars
         if prev is not None:
             grown = (*prev, *range(prev_n, len(history)))
-            chars = sum(d.conv.text_chars[i] for i in grown) if d.conv else 0
+            chars = sum(d.conv.text_chars[i] for i in grown) - floor_chars
             fits = chars <= max_chars and (max_messages is None or len(grown) <= max_messages)
             if fits and not prev_fallback:
                 assert p.kept == grown, "the cut moved although the grown history fits"
@@ -351,8 +394,9 @@ def test_invariants_hold_with_compaction(msgs: list[dict[str, Any]],
                                          memory: dict[str, Any]) -> None:
     """With compact_tools on: the order, system and current turn kept, pairs whole, the
     first message a user's, every forwarded message the client's but for a compacted tool
-    result (never a pin, a system message, one of the newest keep_recent results or one
-    the model has not read; the rest of its message unchanged; compacting it again
+    result (never a pin, a system message, one of the newest keep_recent results of the
+    current turn or one the model has not read; the rest of its message unchanged;
+    compacting it again
     changes nothing), active pins kept up to max_pinned, the same bytes on every request,
     and planning the forwarded history again drops nothing."""
     rules = make_rules(memory)
@@ -379,8 +423,12 @@ def test_invariants_hold_with_compaction(msgs: list[dict[str, Any]],
     for i, m in zip(order, out, strict=True):
         client = {k: v for k, v in msgs[i].items() if k != "memgate"}
         if i in d.compacted:
-            assert msgs[i]["role"] == "tool" and i not in pinned and i not in newest
-            assert i < last_assistant
+            # one of the newest keep_recent is compacted only if whole it would cost its
+            # turn: never in the current turn; and never one the model has not read (after
+            # its last reply in the current turn; one a later user message follows is read)
+            assert msgs[i]["role"] == "tool" and i not in pinned
+            assert i not in newest or i < cur
+            assert i < last_assistant or i < cur
             assert m["content"] != client["content"] and "[memgate: " in m["content"]
             assert compact_text(m["content"], rules.memory.eviction.compact) is None
             m = {**m, "content": client["content"]}

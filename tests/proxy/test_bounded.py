@@ -435,6 +435,7 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.slow
 async def test_malformed_http_never_echoes_a_key(
         aiohttp_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`memgate serve` answers malformed requests carrying a key with a JSON 400 that does

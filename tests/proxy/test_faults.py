@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 from aiohttp import web
 
 from tests.conftest import ROOT, SECRET, GatewayFactory, Upstream, sample, sse_chunks
@@ -61,6 +62,7 @@ async def start_serve(upstream_url: str, tmp_path: Path, *extra: str) -> tuple[A
             await asyncio.sleep(0.1)
 
 
+@pytest.mark.slow
 async def test_sigterm_drains_in_flight_stream(aiohttp_server: Any, tmp_path: Path) -> None:
     """`memgate serve` on SIGTERM stops accepting, finishes the stream in flight (every
     chunk and the end of the stream), writes its [mem] line and exits 0."""
@@ -99,6 +101,7 @@ async def test_sigterm_drains_in_flight_stream(aiohttp_server: Any, tmp_path: Pa
             await proc.wait()
 
 
+@pytest.mark.slow
 async def test_sigterm_drain_has_a_deadline(aiohttp_server: Any, tmp_path: Path) -> None:
     """A stream longer than --drain-s is cut at the deadline: the process exits 0 in
     time and the [mem] line says the stream did not complete."""
@@ -128,6 +131,7 @@ async def test_sigterm_drain_has_a_deadline(aiohttp_server: Any, tmp_path: Path)
             await proc.wait()
 
 
+@pytest.mark.slow
 async def test_slow_client_gets_bounded_buffering(
     gateway: GatewayFactory, aiohttp_server: Any
 ) -> None:

@@ -29,6 +29,8 @@ from gateway.config.rules import load_rules
 from gateway.proxy.app import create_app
 from tests.conftest import ANTHROPIC_REPLY, CHAT_REPLY, ROOT, SECRET, responses_object
 
+pytestmark = pytest.mark.slow
+
 ROUTES = {
     "/v1/chat/completions": "openai",
     "/v1/responses": "openai",

@@ -141,6 +141,7 @@ def client(port: int) -> openai.AsyncOpenAI:
             limits=httpx2.Limits(max_keepalive_connections=0)))
 
 
+@pytest.mark.slow
 async def test_workers_share_the_port_the_metrics_and_the_config(upstream: Upstream,
                                                                  tmp_path: Path) -> None:
     """Requests over new connections reach both workers; /metrics from either worker
@@ -195,6 +196,7 @@ async def test_workers_share_the_port_the_metrics_and_the_config(upstream: Upstr
         await reap(proc)
 
 
+@pytest.mark.slow
 async def test_a_killed_worker_is_restarted_and_sigterm_drains_every_worker(
         aiohttp_server: Any, tmp_path: Path) -> None:
     """A worker killed with SIGKILL is logged and replaced; then with a stream in flight
@@ -248,6 +250,7 @@ async def test_a_killed_worker_is_restarted_and_sigterm_drains_every_worker(
         await reap(proc)
 
 
+@pytest.mark.slow
 async def test_a_hung_worker_is_killed_and_restarted(upstream: Upstream,
                                                      tmp_path: Path) -> None:
     """A worker whose event loop stops turning (SIGSTOP here; a stuck loop alike) keeps
@@ -274,6 +277,7 @@ async def test_a_hung_worker_is_killed_and_restarted(upstream: Upstream,
         await reap(proc)
 
 
+@pytest.mark.slow
 async def test_a_draining_or_paused_worker_is_not_taken_for_hung(
         aiohttp_server: Any, tmp_path: Path) -> None:
     """A worker told to stop on its own (SIGTERM to it, not to the parent) drains a
@@ -399,6 +403,7 @@ def test_metrics_dir_is_fresh_and_leftovers_of_dead_gateways_go(
     assert not dead.exists() and alive.exists()
 
 
+@pytest.mark.slow
 async def test_workers_see_a_configmap_flip(upstream: Upstream, tmp_path: Path) -> None:
     """A Kubernetes ConfigMap mount: gateway.yaml -> ..data/gateway.yaml, ..data ->
     ..v1. The volume update writes ..v2, flips ..data and deletes ..v1: every worker

@@ -235,15 +235,13 @@ def responses_computer_reasoning() -> tuple[dict[str, Any], list[Any], int | Non
 
 # route, items key, builder, token budget (a cut is forced; the current turn fits)
 SHAPES = {
-    "chat_image": ("/v1/chat/completions", "messages", chat_image, 2500),
-    "chat_tool_loop": ("/v1/chat/completions", "messages", chat_tool_loop, 2500),
-    "chat_media_estimated": ("/v1/chat/completions", "messages", chat_media_estimated, 5500),
-    "anthropic_image_thinking": ("/v1/messages", "messages", anthropic_image_thinking, 2500),
-    # just under the ~9,600 the history counts (its PDF pages at Anthropic's 2300, unscaled)
-    "anthropic_documents": ("/v1/messages", "messages", anthropic_documents, 9_500),
-    "responses_mcp_search": ("/v1/responses", "input", responses_mcp_search, 2500),
-    "responses_computer_reasoning": ("/v1/responses", "input", responses_computer_reasoning,
-                                     2500),
+    "chat_image": ("/v1/chat/completions", "messages", chat_image),
+    "chat_tool_loop": ("/v1/chat/completions", "messages", chat_tool_loop),
+    "chat_media_estimated": ("/v1/chat/completions", "messages", chat_media_estimated),
+    "anthropic_image_thinking": ("/v1/messages", "messages", anthropic_image_thinking),
+    "anthropic_documents": ("/v1/messages", "messages", anthropic_documents),
+    "responses_mcp_search": ("/v1/responses", "input", responses_mcp_search),
+    "responses_computer_reasoning": ("/v1/responses", "input", responses_computer_reasoning),
 }
 
 
@@ -320,11 +318,10 @@ async def test_eviction_off_forwards_the_clients_bytes(
     name: str, gateway: GatewayFactory, upstream: Upstream
 ) -> None:
     """Eviction off: the upstream receives exactly the bytes the client sent."""
-    route, key, build, max_tokens = SHAPES[name]
+    route, key, build = SHAPES[name]
     top, items, _ = build()
     raw, _ = body_bytes(top, key, items)
-    gw = await gateway(memory={"enable_eviction": False, "shadow": True,
-                               "budget": budget(max_tokens)})
+    gw = await gateway(memory={"enable_eviction": False, "shadow": True, "budget": budget()})
     await post_raw(gw.url + route, raw)
     assert upstream.received[-1]["raw"] == raw
     ev = (await gw.wait_mem(1))[-1]
@@ -335,12 +332,19 @@ async def test_eviction_off_forwards_the_clients_bytes(
 async def test_eviction_on_keeps_valid_byte_identical_history(
     name: str, gateway: GatewayFactory, upstream: Upstream
 ) -> None:
-    """Eviction on: a valid history of byte-identical items, the current turn kept, earlier
-    turns not wiped by media, est_tokens within 10% of the reference count."""
-    route, key, build, max_tokens = SHAPES[name]
+    """Eviction on, a budget of three quarters of the history on top of the floor (the
+    shadow line's est_tokens - fixed_tokens): a valid history of byte-identical items,
+    the current turn kept, earlier turns not wiped by media, est_tokens within 10% of the
+    reference count."""
+    route, key, build = SHAPES[name]
     top, items, ref = build()
     raw, sent = body_bytes(top, key, items)
-    gw = await gateway(memory={"enable_eviction": True, "budget": budget(max_tokens)})
+    shadow = await gateway(memory={"enable_eviction": False, "budget": budget(1)})
+    await post_raw(shadow.url + route, raw)
+    seen = (await shadow.wait_mem(1))[-1]
+    history = int(seen["est_tokens"]) - int(seen["fixed_tokens"])
+    assert history > 0, seen
+    gw = await gateway(memory={"enable_eviction": True, "budget": budget(history * 3 // 4)})
     await post_raw(gw.url + route, raw)
     got = upstream.received[-1]["raw"]
     kept = split_items(got, key, sent)

@@ -312,6 +312,7 @@ def split_list(b: bytes) -> list[bytes]:
         i = end
 
 
+@pytest.mark.slow
 @given(case=body_and_plan())
 def test_kept_items_are_forwarded_byte_for_byte(case: Any) -> None:
     """For any body and any plan, each kept item is forwarded with the client's bytes

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,6 +32,7 @@ def strip(m: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in m.items() if k != "memgate"}
 
 
+@pytest.mark.slow
 @given(msgs=conversation(), memory=memory_rules())
 @settings()
 def test_anthropic_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]) -> None:
@@ -77,6 +79,7 @@ def test_anthropic_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]
         assert again.plan is not None and again.plan.dropped == ()
 
 
+@pytest.mark.slow
 @given(msgs=conversation(), memory=memory_rules())
 @settings()
 def test_responses_invariants(msgs: list[dict[str, Any]], memory: dict[str, Any]) -> None:
@@ -136,6 +139,7 @@ def retyped(items: list[dict[str, Any]], kinds: list[str]) -> list[dict[str, Any
     return out
 
 
+@pytest.mark.slow
 @given(msgs=conversation(), memory=memory_rules(),
        kinds=st.lists(st.sampled_from(["function_call", "shell_call", "apply_patch_call",
                                        "custom_tool_call", "browser_use_call"]),
@@ -201,6 +205,7 @@ def reasoned_responses(msgs: list[dict[str, Any]], layouts: list[tuple[bool, boo
     return items, resp
 
 
+@pytest.mark.slow
 @given(msgs=conversation(), memory=memory_rules(),
        layouts=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=4))
 @settings()

@@ -3,8 +3,11 @@
 A deterministic fold over the visible history, message by message: extract
 refs, resolve deictic phrases ("刚才那个路径", "the previous one") against refs
 seen before, follow the task state, record a confirmed constraint when the user
-answers the assistant's question. Then the drop conditions remove what no later
-turn needs. Pure: no I/O; what was skipped is returned for the caller to log.
+answers the assistant's question. An agent's tool calls are folded too (calls.py):
+the paths they name and the files they write are refs, their working directory and
+the closing text of the last task that made calls are kept. Then the drop conditions
+remove what no later turn needs. Pure: no I/O; what was skipped is returned for the
+caller to log.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from typing import Any, NamedTuple
 
 from gateway.config.carry import CarryPatterns, Deictic
 from gateway.config.schema import CarryRules
+from gateway.policy.carry.calls import ToolCall, call_facts, moved, refs_in
+
+FILE_TYPES = ("path", "file")  # the ref types a tool call's touched files are of
+MAX_CONCLUSION = 200  # characters of a task's closing sentence
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +35,7 @@ class Message:
     turn: int
     role: str  # user | assistant | tool
     text: str
+    calls: tuple[ToolCall, ...] = ()  # an assistant's tool calls, after its text
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +47,8 @@ class _Ref:
     first_turn: int
     last_turn: int
     seq: int  # the fold's mention count when last mentioned: the mention order
+    tool_turn: int | None = None  # the last turn a tool call named it
+    written_turn: int | None = None  # the last turn a tool call wrote it
 
 
 @dataclass(slots=True)
@@ -112,22 +122,21 @@ def _first_clause(text: str) -> str:
     return (text[: m.start()] if m else text).strip()[:120]
 
 
-def _refs_in(p: CarryPatterns, text: str, mask: int) -> list[tuple[str, str]]:
-    """(type, value) in text order; a span already taken by an earlier pattern (a path)
-    is not matched again by a later one (a service name inside that path). `mask`:
-    the patterns that may match, from `p.prefilter.scan(text)`."""
-    taken: list[tuple[int, int]] = []
-    found: list[tuple[int, str, str]] = []
-    for rtype, pat, bit in p.ref_bits:
-        if not mask & bit:  # none of its fixed strings is in the text
-            continue
-        for mt in pat.finditer(text):
-            a, b = mt.span()
-            if any(a < y and x < b for x, y in taken):
-                continue
-            taken.append((a, b))
-            found.append((a, rtype, mt.group(0)))
-    return [(t, v) for _, t, v in sorted(found)]
+_SENTENCE_END = re.compile(r"[。！？]|[.!?](?=[*_`'\")\]]*(?:\s|$))")  # "**Done.** More"
+_MARKUP = "#>*-_` \t"
+
+
+def _closing_sentence(text: str) -> str | None:
+    """What a task's closing text concluded: its first sentence, from the first line that
+    is not a heading, markdown marks stripped, at most MAX_CONCLUSION characters; only
+    the text's first 2,000 characters are looked at."""
+    lines = [x.strip() for x in _LINE_END.split(text[:2000])]
+    said = [x for x in lines if x.strip(_MARKUP)]
+    if not said:
+        return None
+    line = next((x for x in said if not x.startswith("#")), said[0]).strip(_MARKUP)
+    m = _SENTENCE_END.search(line)
+    return (line[: m.end()] if m else line)[:MAX_CONCLUSION].strip() or None
 
 
 class _Extract(NamedTuple):
@@ -161,7 +170,7 @@ def _extract_cached(role: str, text: str) -> _Extract:
     p = _PATTERNS[0]
     mask = p.prefilter.scan(text)  # which patterns' fixed strings the text contains
     bits = p.bits
-    refs = tuple(_refs_in(p, text, mask)) if mask & bits["refs"] else ()
+    refs = tuple(refs_in(p, text, mask)) if mask & bits["refs"] else ()
     if role != "user":
         return _Extract(
             small_talk=False, deictics=(), refs=refs, create=False,
@@ -209,6 +218,12 @@ class Fold:
         self.output_file: str | None = None
         self.tool_results: list[str] = []
         self.skipped: list[tuple[str, str]] = []
+        self.workdir: str | None = None  # where the agent's tool calls last ran
+        self.worked: int | None = None  # the last turn that made tool calls
+        # (turn, sentence): the assistant's latest text, while no call of its turn followed
+        # it; and the last such text of a finished turn that made calls
+        self.closing: tuple[int, str] | None = None
+        self.concluded: tuple[int, str] | None = None
 
     def copy(self) -> Fold:
         c = Fold.__new__(Fold)
@@ -225,14 +240,19 @@ class Fold:
         c.output_file = self.output_file
         c.tool_results = list(self.tool_results)
         c.skipped = list(self.skipped)
+        c.workdir, c.worked = self.workdir, self.worked
+        c.closing, c.concluded = self.closing, self.concluded
         return c
 
-    def _mention(self, rtype: str, value: str, turn: int) -> None:
+    def _mention(self, rtype: str, value: str, turn: int, via: str = "text") -> None:
+        """`via`: text, tool (a tool call named it) or written (a tool call wrote it)."""
         key = (rtype, value)
         ref = self.refs.pop(key, None)
         self.mentions += 1
+        tool = turn if via != "text" else None if ref is None else ref.tool_turn
+        written = turn if via == "written" else None if ref is None else ref.written_turn
         self.refs[key] = _Ref(rtype, value, turn if ref is None else ref.first_turn, turn,
-                              self.mentions)
+                              self.mentions, tool, written)
         same = self.by_type.pop(rtype, None)  # re-added last: the latest mentioned type
         if same is None:
             same = {}
@@ -331,9 +351,44 @@ class Fold:
 
     def add(self, m: Message) -> None:
         self.add_text(m.turn, m.role, m.text)
+        if m.calls:
+            self.add_calls(m.turn, m.calls)
+
+    def _close_before(self, turn: int) -> None:
+        """A message of `turn` ends the turns before it: the closing text of one that
+        made tool calls is what its task concluded."""
+        c = self.closing
+        if c is not None and c[0] < turn:
+            if c[0] == self.worked:
+                self.concluded = c
+            self.closing = None
+
+    def add_calls(self, turn: int, calls: Iterable[ToolCall]) -> None:
+        """An assistant's tool calls (after its text): the paths they name and write are
+        refs, their working directory the agent's; the turn is one that made calls, and
+        a text before them closes nothing."""
+        self._close_before(turn)
+        for call in calls:
+            f = call_facts(self.p, call)
+            for rtype, value in f.refs:
+                self._mention(rtype, value, turn, "tool")
+            for rtype, value in f.written:
+                self._mention(rtype, value, turn, "written")
+            if f.workdir is not None:
+                self.workdir = f.workdir
+            elif f.cd is not None:
+                self.workdir = moved(self.workdir, f.cd)
+        self.worked = turn
+        if self.closing is not None and self.closing[0] == turn:
+            self.closing = None
 
     def add_text(self, turn: int, role: str, text: str) -> None:
         """`add(Message(turn, role, text))` without building the message."""
+        self._close_before(turn)
+        if role == "assistant" and text:
+            said = _closing_sentence(text)
+            if said is not None:
+                self.closing = (turn, said)
         if role == "tool":
             first = _first_line(text, 160)
             if first is not None:
@@ -386,9 +441,30 @@ class Fold:
                 out["output_file"] = self.output_file
             if self.constraints:
                 out["confirmed_constraints"] = list(self.constraints)
+        if self.workdir is not None:
+            out["workdir"] = self.workdir
+        concluded = self._concluded(current_turn)
+        if concluded is not None:
+            out["conclusion"] = concluded
         refs: dict[str, list[str]] = {}
+        written: list[str] = []
+        touched: list[str] = []
+        oldest = current_turn - rules.ref_ttl_turns
+
+        def fresh(turn: int | None) -> bool:
+            return turn is not None and (turn >= oldest or not rules.no_pending_reference)
+
         for ref in self._carried_refs(rules, current_turn, out, left_out if skipped else None):
-            refs.setdefault(ref.type, []).append(ref.value)
+            if fresh(ref.written_turn):
+                written.append(ref.value)
+            elif ref.type in FILE_TYPES and fresh(ref.tool_turn):
+                touched.append(ref.value)
+            else:
+                refs.setdefault(ref.type, []).append(ref.value)
+        if written:
+            out["files_written"] = written
+        if touched:
+            out["files_touched"] = touched
         if self.resolved:
             out["resolved_refs"] = dict(self.resolved)
         if refs:
@@ -403,6 +479,13 @@ class Fold:
         if skipped:
             left_out += [(k, "not_in_keep_fields") for k in out if k not in rules.keep_fields]
         return Snapshot(kept, left_out)
+
+    def _concluded(self, current_turn: int) -> str | None:
+        """The closing sentence of the last task before `current_turn` that made calls."""
+        c = self.closing
+        if c is not None and c[0] < current_turn and c[0] == self.worked:
+            return c[1]
+        return self.concluded[1] if self.concluded is not None else None
 
     def _carried_refs(self, rules: CarryRules, current_turn: int, out: dict[str, Any],
                       left_out: list[tuple[str, str]] | None) -> list[_Ref]:
@@ -444,79 +527,3 @@ def build_snapshot(
         fold.add(m)
         current = max(current, m.turn)
     return fold.snapshot(rules, current)
-
-
-DEFAULT_NOTE = ("[memgate memory] Earlier turns of this conversation were trimmed. "
-                "Still in force:\n{lines}")
-
-
-_LEFT_OUT = "- ({n} more left out: max_note_chars)"
-
-
-def render_note(
-    snap: Snapshot | None, template: str, max_chars: int, recalled: list[str] | None = None
-) -> str | None:
-    """The compact note injected before the current turn, or None when there is nothing.
-
-    Within `max_chars` lines go whole, never cut: the task's own fields first, then the
-    confirmed constraints newest first (an older one is the likelier to be superseded),
-    then refs, tool results and unchosen candidates; what does not fit is left out, and a
-    last line says how many lines were."""
-    f = snap.fields if snap is not None else {}
-    fixed = []
-    if "task_state" in f:
-        fixed.append(f"- task state: {f['task_state']}")
-    if "output_file" in f:
-        fixed.append(f"- output file: {f['output_file']}")
-    for phrase, value in (f.get("resolved_refs") or {}).items():
-        fixed.append(f"- \"{phrase}\" = {value}")
-    confirmed = [f"- confirmed: {c}" for c in f.get("confirmed_constraints") or []]
-    rest = [f"- {rtype}: {', '.join(values)}" for rtype, values in (f.get("refs") or {}).items()]
-    rest += [f"- tool result: {t}" for t in f.get("tool_results") or []]
-    if f.get("dropped_candidates"):
-        rest.append(f"- not chosen: {', '.join(f['dropped_candidates'])}")
-    # a record's lines joined into one: a recalled text never makes a line of the note's
-    # own ("- task state: closed" inside an archived reply stays inside its line)
-    recalled_lines = [f"- recalled: {' / '.join(r.splitlines())}" for r in recalled or []]
-    every = [*fixed, *confirmed, *rest]
-    if not every:
-        bare = template.replace("{lines}", "").rstrip()
-        lines = _within(recalled_lines, max_chars - len(bare))
-        return "\n".join([bare, *lines]) if lines else None
-    room = max_chars - len(template.replace("{lines}", ""))
-    if sum(len(x) + 1 for x in every) > room:
-        room -= len(_LEFT_OUT.format(n=len(every))) + 1  # the line that says so
-
-    def take(candidates: Iterable[str]) -> list[str]:
-        nonlocal room
-        out = []
-        for line in candidates:
-            if len(line) + 1 <= room:
-                out.append(line)
-                room -= len(line) + 1
-        return out
-
-    kept = take(fixed)
-    kept += reversed(take(reversed(confirmed)))  # the newest first, shown in their order
-    kept += take(rest)
-    if len(kept) < len(every):
-        kept.append(_LEFT_OUT.format(n=len(every) - len(kept)))
-    head = template.replace("{lines}", "\n".join(kept))
-    lines = _within(recalled_lines, max_chars - len(head))
-    return "\n".join([head, *lines]) if lines else head
-
-
-def _within(lines: list[str], room: int) -> list[str]:
-    """The recalled lines that fit `room` characters (each with its newline), the first
-    that does not cut to the room with "…" when at least 40 characters are left: the
-    note, recalled text included, stays within max_note_chars."""
-    out = []
-    for line in lines:
-        if len(line) + 1 <= room:
-            out.append(line)
-            room -= len(line) + 1
-            continue
-        if room - 1 >= 40:
-            out.append(line[: room - 2] + "…")
-        break
-    return out
