@@ -12,6 +12,7 @@ Imports read with ast; nothing of the package is run."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import gateway
@@ -271,3 +272,19 @@ def test_order_check_reports_an_upward_import_of_any_kind(tmp_path: Path) -> Non
         ("pkg.low.b", "pkg.top"), ("pkg.low.b", "pkg.top.a"), ("pkg.low.c", "pkg.top"),
         ("pkg.low.c", "pkg.top.a")]
     assert upward_imports(import_graph(tmp_path, "pkg"), ("top", "low"), "pkg") == []
+
+
+def test_architecture_page_lists_each_rooms_modules() -> None:
+    """docs/architecture.md names every module of every room, and no module that is gone:
+    its `Modules (`ls gateway/<room>/` ...)` paragraphs against the files."""
+    page = (PACKAGE_DIR.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    paragraphs = re.findall(r"Modules \(`ls gateway/(\w+)/` at writing time\):(.*?)(?:\n\n|$)",
+                            page, re.DOTALL)
+    assert {room for room, _ in paragraphs} == set(ROOMS) - {"errors"}
+    for room, text in paragraphs:
+        listed = set(re.findall(r"`([\w/]+?\.py)`", text))
+        wanted = {p.name for p in (PACKAGE_DIR / room).glob("*.py") if p.name != "__init__.py"}
+        for sub in (PACKAGE_DIR / room).iterdir():
+            if sub.is_dir() and (sub / "__init__.py").exists():
+                wanted |= {p.name for p in sub.glob("*.py") if p.name != "__init__.py"}
+        assert listed == wanted, (room, sorted(listed ^ wanted))

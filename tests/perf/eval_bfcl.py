@@ -16,8 +16,10 @@ under each policy, and the forwarded body is scored:
   as the mean of the per-payload shares (macro);
 - invalid requests: a tool call without all its results right after it, a result
   without its call, or a first non-system message that is not the user's;
-- over budget where the floor fits: forwarded tokens above the budget although the
-  system part, the tool schemas and the current turn alone fit it.
+- history over budget: the forwarded tokens less the floor (the system part, the tool
+  schemas and the current turn, which the budget does not count) above the budget;
+- floor over budget: requests whose floor alone exceeds the budget (before the budget
+  counted the history only, each of these was cut to the floor).
 """
 
 from __future__ import annotations
@@ -141,11 +143,9 @@ def evaluate(payloads: list[bytes], side: list[dict[str, Any]], budget: int,
         tokens = d.kept_tokens()
         fwd_tokens += tokens
         n_evicted += bool(d.plan.dropped)
-        if tokens > budget:
-            if floor_tokens(d) <= budget:
-                n_over += 1
-            else:
-                n_floor_over += 1
+        floor = floor_tokens(d)
+        n_over += tokens - floor > budget
+        n_floor_over += floor > budget
     n = len(payloads)
     return {"requests": req_kept / max(1, req_all), "tool_micro": tool_kept / max(1, tool_all),
             "tool_macro": macro / max(1, n_macro), "invalid": n_invalid, "over": n_over,
@@ -170,7 +170,7 @@ def main() -> None:
     side = [json.loads(x) for x in (bfcl / f"{args.set}_side.jsonl").read_text().splitlines()]
     print(f"BFCL {args.set}, {len(payloads)} payloads, budget {args.budget} tokens")
     print("| policy | earlier user requests kept | tool content kept (micro / macro) |"
-          " invalid | over budget (floor fits) | floor over budget | evicted | fwd tokens |")
+          " invalid | history over budget | floor over budget | evicted | fwd tokens |")
     print("|---|---|---|---|---|---|---|---|")
     for name, eviction in POLICIES:
         r = evaluate(payloads, side, args.budget, eviction, retention)

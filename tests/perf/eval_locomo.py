@@ -88,7 +88,9 @@ def forward_all(payloads: Path, rules: Rules, top_k: int, out: Path) -> int:
                 if recalled:
                     d = decide(line, body, rules, TOK, recalled=recalled)
             assert d.plan is not None
-            over += d.plan.over_budget or (d.plan.kept_tokens or 0) > budget
+            # the budget counts the history on top of the floor (Plan.fixed_tokens)
+            history = (d.plan.kept_tokens or 0) - (d.plan.fixed_tokens or 0)
+            over += d.plan.over_budget or (d.plan.fixed_tokens is not None and history > budget)
             f.write(d.forward + b"\n")
     return over
 
