@@ -599,3 +599,83 @@ async def run_session(client: str, binary: Path, workdir: Path, eviction: bool,
     session.mem_lines = gate.mem_lines()
     session.memgate_log = gate.lines
     return session
+
+
+# ---------------------------------------------------------------------------- a crowd
+
+
+@dataclass
+class Launch:
+    """One client session of a crowd: which client, where it runs, what the user types."""
+
+    client: str
+    binary: Path
+    project: str  # the project directory's name under the crowd's workdir
+    prompt: str
+
+
+@dataclass
+class Crowd:
+    """Several client sessions run at once through ONE memgate and one mock model. Each
+    session's `sent` comes from its own client-side tap; `forwarded`, `model` and the
+    memgate log are the crowd's, shared."""
+
+    sessions: list[Session]
+    forwarded: list[WireRequest]
+    model: MockModel
+    mem_lines: list[str]
+    memgate_log: list[str]
+    memgate_exit: int | None
+
+
+async def run_crowd(launches: list[Launch], workdir: Path, eviction: bool) -> Crowd:
+    """Start one mock model, one memgate and the taps once, then run each launch's first
+    task at the same time (asyncio.gather). Launches naming the same project share its
+    directory; each session has a home of its own (its client's session store) and a
+    client-side tap of its own. The mock has no fixed cwd: Claude Code reads through
+    `cat` in its shell and Codex runs in its own directory. Every process started here is
+    stopped here."""
+    model = MockModel(cwd=None)
+    await model.start()
+    up_tap = Tap("upstream", int(model.url.rsplit(":", 1)[1]))
+    await up_tap.start()
+    gate = Memgate(memgate_config(workdir / "rules", eviction), up_tap.url, workdir)
+    taps: list[Tap] = []
+    sessions: list[Session] = []
+    try:
+        await gate.start()
+        jobs = []
+        for n, launch in enumerate(launches):
+            project = workdir / launch.project
+            if not (project / "README.md").exists():
+                write_project(project)
+            home = workdir / f"home-{n}"
+            home.mkdir(parents=True, exist_ok=True)
+            tap = Tap(f"client-{n}", gate.port)
+            await tap.start()
+            taps.append(tap)
+            sessions.append(Session(launch.client, eviction, project, model=model))
+            make = claude_commands if launch.client == "claude" else codex_commands
+            commands, env = make(launch.binary, tap.url, home)
+            argv = [launch.prompt if a == TASK1 else a for a in commands[0]]
+            jobs.append(run_client(argv, env, project, None))
+        for session, run in zip(sessions, await asyncio.gather(*jobs)):
+            session.runs.append(run)
+        want = sum(1 for t in taps for r in t.requests() if r.method == "POST"
+                   and r.target.split("?", 1)[0] in ("/v1/messages", "/v1/responses"))
+        for _ in range(100):
+            if len(gate.mem_lines()) >= want:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        for tap in taps:
+            await tap.stop()
+        exit_code = await gate.stop()
+        await up_tap.stop()
+        await model.stop()
+    for session, tap in zip(sessions, taps):
+        session.sent = tap.requests()
+        session.mem_lines = gate.mem_lines()
+        session.memgate_log = gate.lines
+        session.memgate_exit = exit_code
+    return Crowd(sessions, up_tap.requests(), model, gate.mem_lines(), gate.lines, exit_code)

@@ -10,6 +10,11 @@ tool's own input schema, and after the sixth tool result with a final text
 the request alone: the tool calls since the task's user message. Anything else (titles,
 summaries, quota checks, the start-up probes) gets a short plain answer.
 
+It checks what the real APIs check of a conversation's shape (`anthropic_problems`,
+`responses_problems`: tool results paired with their calls, roles, reasoning placement)
+and answers a body that breaks a rule with the provider's own 400 shape, as the real
+upstream would; `MockModel.refused()` lists those requests.
+
 Every request is recorded (method, path with query, headers, body bytes, parsed JSON) in
 `MockModel.received`, for the tests' assertions and `probe.py`'s report.
 """
@@ -77,6 +82,7 @@ class Recorded:
     task: str | None = None
     round: int | None = None
     answer: str = ""  # a short description of what was answered
+    refusal: str | None = None  # the 400's message when the body broke a provider rule
 
     def header(self, name: str) -> str | None:
         low = name.lower()
@@ -230,6 +236,123 @@ def responses_step(body: dict[str, Any], cwd: str | None) -> tuple[str, Step, st
     spec = tools[shell]
     schema = spec.get("parameters") or spec.get("input_schema")
     return "agent", Step(tool=shell, args=shell_args(shell, schema, command, cwd)), task, rounds
+
+
+# ---------------------------------------------------------------------------- provider rules
+
+
+def _blocks(content: Any) -> list[dict[str, Any]]:
+    return [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
+
+
+def anthropic_problems(body: Any) -> list[str]:
+    """What the Anthropic Messages API would refuse in this body (its 400 messages): no
+    messages, a first message not the user's, a `tool_result` not answering a `tool_use` of
+    the assistant turn right before it, a `tool_use` left unanswered by the user turn after
+    it, `thinking` blocks outside assistant turns. Consecutive messages of one role are one
+    turn, as the API merges them."""
+    if not isinstance(body, dict):
+        return ["body: not a JSON object"]
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return ["messages: at least one message is required"]
+    first = messages[0]
+    problems = []
+    if not isinstance(first, dict) or first.get("role") != "user":
+        problems.append("messages.0.role: the first message must use the `user` role")
+    # turns: (role, index of the turn's first message, [(message index, block index, block)])
+    turns: list[tuple[str, int, list[tuple[int, int, dict[str, Any]]]]] = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("user", "assistant"):
+            problems.append(f"messages.{i}.role: must be `user` or `assistant`")
+            continue
+        assert isinstance(m, dict)
+        blocks = [(i, j, b) for j, b in enumerate(_blocks(m.get("content")))]
+        if turns and turns[-1][0] == role:
+            turns[-1][2].extend(blocks)
+        else:
+            turns.append((role, i, blocks))
+    for k, (role, _, blocks) in enumerate(turns):
+        if role != "user":
+            continue
+        before = turns[k - 1] if k > 0 and turns[k - 1][0] == "assistant" else None
+        uses = [str(b.get("id")) for _, _, b in (before[2] if before else [])
+                if b.get("type") == "tool_use"]
+        answered = set()
+        for i, j, b in blocks:
+            kind = b.get("type")
+            if kind == "tool_result":
+                tid = str(b.get("tool_use_id"))
+                answered.add(tid)
+                if tid not in uses:
+                    problems.append(
+                        f"messages.{i}.content.{j}: unexpected `tool_use_id` found in "
+                        f"`tool_result` blocks: {tid}. Each `tool_result` block must have a "
+                        "corresponding `tool_use` block in the previous message.")
+            elif kind in ("thinking", "redacted_thinking"):
+                problems.append(f"messages.{i}.content.{j}: `{kind}` blocks may only appear "
+                                "in `assistant` messages")
+        missing = [u for u in uses if u not in answered]
+        if before is not None and missing:
+            problems.append(
+                f"messages.{before[1]}: `tool_use` ids were found without `tool_result` "
+                f"blocks immediately after: {', '.join(missing)}. Each `tool_use` block must "
+                "have a corresponding `tool_result` block in the next message.")
+    return problems
+
+
+# a Responses tool output type -> the call type it answers
+RESPONSES_OUTPUTS = {"function_call_output": "function_call",
+                     "custom_tool_call_output": "custom_tool_call"}
+
+
+def responses_problems(body: Any) -> list[str]:
+    """What the OpenAI Responses API would refuse in this body's `input`: an output whose
+    call (same `call_id`) is not earlier in `input`, a call followed by more input but
+    never by its output, a `reasoning` item last. (With `previous_response_id` the calls
+    may live in the stored response: outputs are then not checked against `input`.)"""
+    if not isinstance(body, dict):
+        return ["body: not a JSON object"]
+    items = body.get("input")
+    if items is None or isinstance(items, str):
+        return []
+    if not isinstance(items, list):
+        return ["input: must be a string or an array of items"]
+    problems = []
+    calls: dict[str, tuple[str, int]] = {}  # call_id -> (call type, index)
+    outputs: dict[tuple[str, str], int] = {}  # (call type, call_id) -> last output index
+    chained = bool(body.get("previous_response_id"))
+    for n, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        kind, cid = item.get("type", "message"), str(item.get("call_id"))
+        if kind in RESPONSES_OUTPUTS.values():
+            calls[cid] = (kind, n)
+        elif kind in RESPONSES_OUTPUTS:
+            want = RESPONSES_OUTPUTS[kind]
+            outputs[(want, cid)] = n
+            if calls.get(cid, ("", 0))[0] != want and not chained:
+                problems.append(f"input[{n}]: No tool call found for {kind.replace('_', ' ')}"
+                                f" with call_id {cid}.")
+    for cid, (kind, n) in calls.items():
+        if n < len(items) - 1 and outputs.get((kind, cid), -1) < n:
+            problems.append(f"input[{n}]: No tool output found for {kind.replace('_', ' ')}"
+                            f" {cid}.")
+    last = items[-1] if items else None
+    if isinstance(last, dict) and last.get("type") == "reasoning":
+        problems.append(f"input[{len(items) - 1}]: Item '{last.get('id')}' of type 'reasoning'"
+                        " was provided without its required following item.")
+    return problems
+
+
+def anthropic_refusal(message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+
+
+def openai_refusal(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                      "code": None}}
 
 
 # ---------------------------------------------------------------------------- wire formats
@@ -415,6 +538,20 @@ class MockModel:
         self.received.append(rec)
         return rec
 
+    def refused(self) -> list[Recorded]:
+        """The chat requests answered with a 400 because their body broke a provider rule."""
+        return [r for r in self.received if r.refusal is not None]
+
+    def _refuse(self, rec: Recorded, problems: list[str]) -> web.Response | None:
+        if not problems:
+            return None
+        rec.role, rec.refusal = "refused", "; ".join(problems)
+        rec.answer = f"400:{rec.refusal[:60]}"
+        if rec.api == "anthropic":
+            return web.json_response(anthropic_refusal(rec.refusal), status=400,
+                                     headers={"request-id": f"req_mock_refused{rec.seq:04d}"})
+        return web.json_response(openai_refusal(rec.refusal), status=400)
+
     def chat_requests(self, api: str | None = None) -> list[Recorded]:
         return [r for r in self.received if r.api != "other" and (api is None or r.api == api)]
 
@@ -448,6 +585,8 @@ class MockModel:
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         rec = await self._record(request, "anthropic")
+        if refused := self._refuse(rec, anthropic_problems(rec.body)):
+            return refused
         body = rec.body if isinstance(rec.body, dict) else {}
         rec.role, step, rec.task, rec.round = anthropic_step(body, self.cwd)
         rec.answer = f"tool:{step.tool}" if step.tool else f"text:{(step.text or '')[:60]}"
@@ -468,6 +607,8 @@ class MockModel:
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         rec = await self._record(request, "responses")
+        if refused := self._refuse(rec, responses_problems(rec.body)):
+            return refused
         body = rec.body if isinstance(rec.body, dict) else {}
         rec.role, step, rec.task, rec.round = responses_step(body, self.cwd)
         rec.answer = f"tool:{step.tool}" if step.tool else f"text:{(step.text or '')[:60]}"

@@ -21,12 +21,15 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.harness import (
+    TASK1,
     TASK1_DONE,
     TASK2_DONE,
+    Launch,
     Session,
     foreign_in_trace,
     mem_fields,
     run_client,
+    run_crowd,
     run_session,
     strace_usable,
 )
@@ -72,6 +75,17 @@ def assert_offline(s: Session) -> None:
         assert run.foreign_addresses() == [], (run.argv[:3], run.foreign_addresses())
 
 
+def assert_provider_accepted(s: Session) -> None:
+    """Every body memgate forwarded is one the provider accepts: the mock (which checks
+    what the real APIs check) refused none, and memgate never fell back to the client's
+    original body (a fallback would hide a broken cut behind the client's own bytes)."""
+    assert s.model is not None
+    refused = [(r.seq, r.refusal) for r in s.model.refused()]
+    assert refused == [], (refused, explain(s))
+    fallbacks = [ln for ln in s.mem_lines if "fallback=" in ln]
+    assert fallbacks == [], (fallbacks, explain(s))
+
+
 def assert_every_step_played(s: Session) -> None:
     """The mock was asked for every step of both tasks (6 tool rounds + the answer each)."""
     assert s.model is not None
@@ -114,6 +128,7 @@ async def test_shadow_mode_forwards_the_clients_bytes(
     for ev in events:
         assert ev["mode"] == "shadow" and ev["dropped"] == "0" and ev["status"] == "200", ev
         assert ev["api"] == API[client] and ev["session"], ev
+    assert_provider_accepted(s)
     assert_offline(s)
 
 
@@ -158,6 +173,7 @@ async def test_eviction_on_the_agent_keeps_its_task(
     chat = [r for r in s.sent if is_chat(r)]
     assert len(events) == len(chat), explain(s)
     assert all(ev["mode"] == "on" and ev["status"] == "200" for ev in events), explain(s)
+    assert_provider_accepted(s)
     assert_agent_kept_its_task(s, whole=True)
     assert_offline(s)
 
@@ -178,6 +194,58 @@ async def test_a_tight_budget_cuts_history_not_the_agents_context(
     assert any(int(str(r["dropped"] or 0)) > 0 for r in rows), explain(s)
     events = [mem_fields(ln) for ln in s.mem_lines]
     assert all(ev["status"] == "200" for ev in events), explain(s)
+    assert_provider_accepted(s)
+
+
+# the header each client names its session by (the shadow test checks every request has it)
+SESSION_HEADER = {"claude": "X-Claude-Code-Session-Id", "codex": "session-id"}
+
+
+async def test_four_concurrent_sessions_are_four_memgate_sessions(
+    agent_clients: dict[str, Path], tmp_path: Path
+) -> None:
+    """Through ONE memgate, eviction on with the shipped config, at the same time: two
+    Claude Code sessions with the same prompt in two project directories, and two Codex
+    sessions with different prompts in one directory (first task each). They are four
+    memgate sessions, each the id its client sent, and each session's [mem] lines carry
+    its own id only (per session, the lines with its id are exactly as many, with the same
+    history sizes, as the chat requests it sent)."""
+    claude, codex = agent_clients["claude"], agent_clients["codex"]
+    crowd = await run_crowd([
+        Launch("claude", claude, "claude-a/project", TASK1),
+        Launch("claude", claude, "claude-b/project", TASK1),
+        Launch("codex", codex, "codex/project", TASK1),
+        Launch("codex", codex, "codex/project", f"{TASK1}, then say which files you read"),
+    ], tmp_path, eviction=True)
+    why = "\n\n".join(explain(s) for s in crowd.sessions)
+    for s in crowd.sessions:
+        assert len(s.runs) == 1 and s.runs[0].returncode == 0 and not s.runs[0].timed_out, why
+        assert TASK1_DONE in s.runs[0].stdout, why
+        assert_provider_accepted(s)
+    assert crowd.memgate_exit == 0, why
+    events = [mem_fields(ln) for ln in crowd.mem_lines]
+    chat = [(s, r) for s in crowd.sessions for r in s.sent if is_chat(r)]
+    assert len(events) == len(chat), why
+    assert all(ev["mode"] == "on" and ev["status"] == "200" for ev in events), why
+
+    ids = []
+    for s in crowd.sessions:
+        mine = [r for r in s.sent if is_chat(r)]
+        sent_ids = {r.header(SESSION_HEADER[s.client]) for r in mine}
+        assert len(sent_ids) == 1 and None not in sent_ids, (s.client, sent_ids, why)
+        sid = sent_ids.pop()
+        assert sid is not None
+        ids.append(sid)
+        lines = [ev for ev in events if ev["session"] == sid]
+        hist = []
+        for r in mine:
+            body = r.json() if isinstance(r.json(), dict) else {}
+            items = body.get("messages", body.get("input"))
+            hist.append(len(items) if isinstance(items, list) else 1)
+        assert sorted(int(ev["hist_msgs"]) for ev in lines) == sorted(hist), (sid, why)
+        assert all(ev["api"] == API[s.client] for ev in lines), (sid, why)
+    assert len(set(ids)) == 4, (ids, why)
+    assert {ev["session"] for ev in events} == set(ids), why
 
 
 # what Codex 0.171.0 did before `features.plugins = false` (curated plugin sync)
