@@ -30,6 +30,7 @@ from gateway.memory.backends import Backend, BackendDown
 from gateway.memory.session import tenant_of
 from gateway.memory.store import Store, StoreError, build_filter, build_record, make_store
 from gateway.memory.store.model import (
+    Filter,
     MemoryExists,
     Record,
     StoreUnavailable,
@@ -63,6 +64,14 @@ class MemoryService:
         self.queue: asyncio.Queue[list[Record]] = asyncio.Queue(1024)
         self.queued = self.written = self.dropped = self.purged = 0
         self.recent: OrderedDict[tuple[str, str], None] = OrderedDict()
+        # the batches queued and not yet written (by id): recall searches them beside the
+        # store, so a session's next request finds a turn archived a moment ago
+        self.unwritten: dict[int, list[Record]] = {}
+
+    def pending(self, f: Filter) -> list[Record]:
+        """The queued, not yet written records the filter matches (its query is not
+        applied: recall ranks them by it with the store's)."""
+        return [r for batch in self.unwritten.values() for r in batch if f.matches(r)]
 
     def fresh(self, records: list[Record]) -> list[Record]:
         """The records not queued by this process lately (archived= counts only these)."""
@@ -101,6 +110,7 @@ class MemoryService:
             self.dropped += len(records)
             return 0
         self.queued += len(records)
+        self.unwritten[id(records)] = records
         for r in records:
             self.recent[(r.tenant, r.memory_id)] = None
             self.recent.move_to_end((r.tenant, r.memory_id))
@@ -117,6 +127,7 @@ class MemoryService:
             except BackendDown:  # counted and logged once per interval by the breaker; a
                 self.dropped += len(batch)  # store known to be down is not tried per batch
             finally:
+                self.unwritten.pop(id(batch), None)
                 self.queue.task_done()
 
     async def run_purger(self, rules: Callable[[], StoreRules], health: Backend,

@@ -24,6 +24,7 @@ from gateway.memory.backends import Backend, BackendDown
 from gateway.memory.state import fingerprint
 from gateway.memory.store import Store
 from gateway.memory.store.model import Filter, Record, build_record, format_ts, now_us
+from gateway.policy.fill import STOPWORDS
 
 MAX_RECALLED_CHARS = 1000
 # the request waits for recall before it is forwarded: a slow store (a locked SQLite file
@@ -38,22 +39,31 @@ class Searcher(Protocol):
 
 class GuardedStore:
     """The store as a chat request searches it: opened and searched through its breaker,
-    within the time bounds above. A failure is remembered (`failed`, for the [mem] line)
-    and answers no records: recall falls back to the turns this request drops."""
+    within the time bounds above, plus the records `pending(f)` gives (archived by this
+    process, still in the write-behind queue: the next request of a session may come
+    before the writer has written them). A failure is remembered (`failed`, for the [mem]
+    line) and answers no stored records: recall falls back to the turns this request
+    drops and the pending ones."""
 
-    def __init__(self, open_store: Callable[[], Awaitable[Store]], health: Backend) -> None:
+    def __init__(self, open_store: Callable[[], Awaitable[Store]], health: Backend,
+                 pending: Callable[[Filter], list[Record]] | None = None) -> None:
         self.open_store = open_store
         self.health = health
+        self.pending = pending
         self.failed = False
 
     async def search(self, f: Filter) -> list[tuple[Record, float]]:
+        queued = self.pending(f) if self.pending is not None else []
         try:
             store = await self.health.call("open", self.open_store, OPEN_TIMEOUT_S)
-            return await self.health.call("search", functools.partial(store.search, f),
-                                          RECALL_TIMEOUT_S)
+            found = await self.health.call("search", functools.partial(store.search, f),
+                                           RECALL_TIMEOUT_S)
         except BackendDown:
             self.failed = True
-            return []
+            found = []
+        ids = {r.memory_id for r, _ in found}
+        # scored by `rank` with the rest: the score here is not read
+        return found + [(r, 0.0) for r in queued if r.memory_id not in ids]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +72,11 @@ class TurnText:
     first: int  # index of its first message
     user: str
     assistant: str
-    dropped: bool
+    dropped: bool  # not forwarded by this request
+    # left the window: dropped, or cut by the stages and brought back by the budget fill
+    # for this question only (the next question, or a client that trims its history,
+    # loses it: `evicted` archives it now)
+    evicted: bool
 
     @property
     def text(self) -> str:
@@ -79,14 +93,18 @@ def turns_of(d: Decision, since: int = 0) -> list[TurnText]:
     g0 = bisect.bisect_left(groups, since, key=lambda grp: grp.indices[0])
     started_before = groups[g0 - 1].turn if 0 < g0 < len(groups) else None
     dropped = d.plan.dropped if d.plan is not None else None
+    filled = frozenset(d.plan.recalled) if d.plan is not None else frozenset()
     by_turn: dict[int, list[int]] = {}
     gone: dict[int, bool] = {}
+    cut: dict[int, bool] = {}
     for g in range(g0, len(groups)):
         grp = groups[g]
         if not 0 < grp.turn < conv.first_current_turn or grp.turn == started_before:
             continue
         by_turn.setdefault(grp.turn, []).extend(grp.indices)
-        gone[grp.turn] = gone.get(grp.turn, True) and dropped is not None and dropped.covers(g)
+        out_g = dropped is not None and dropped.covers(g)
+        gone[grp.turn] = gone.get(grp.turn, True) and out_g
+        cut[grp.turn] = cut.get(grp.turn, True) and (out_g or grp.indices[0] in filled)
     out = []
     for turn, idx in by_turn.items():  # turns in order: groups are
         items = [d.messages[i] for i in idx]
@@ -95,7 +113,7 @@ def turns_of(d: Decision, since: int = 0) -> list[TurnText]:
                          if r == "user")
         assistant = "\n".join(d.wire.item_text(m) for m, r in zip(items, roles, strict=True)
                               if r == "assistant")
-        out.append(TurnText(turn, idx[0], user, assistant, gone[turn]))
+        out.append(TurnText(turn, idx[0], user, assistant, gone[turn], cut[turn]))
     return out
 
 
@@ -110,7 +128,7 @@ def archive_records(
     now = now_us()
     upto: int | None = None  # the first turn left for later (kept, under `evicted`)
     for t in turns_of(d, since):
-        if which == "evicted" and not t.dropped:
+        if which == "evicted" and not t.evicted:
             if upto is None:
                 upto = t.first
             continue
@@ -144,7 +162,10 @@ def _score(terms: set[str], text: str) -> float:
 
 
 def rank(query: str, candidates: list[str], top_k: int) -> list[str]:
+    # the fill's rule: a question's function words ("what is the") match every record,
+    # so only its other words count, unless it has none
     terms = set(query_terms(query))
+    terms = (terms - STOPWORDS) or terms
     scored = sorted(
         ((s, -i, c) for i, c in enumerate(dict.fromkeys(candidates)) if (s := _score(terms, c))),
         reverse=True,

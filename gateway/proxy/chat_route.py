@@ -332,7 +332,8 @@ async def _with_recall(
     whether the store failed (recall then brings back only the turns this request drops)."""
     memory = state.memory
     assert memory is not None
-    store = GuardedStore(functools.partial(memory.get_store, rules.store), state.store_health)
+    store = GuardedStore(functools.partial(memory.get_store, rules.store), state.store_health,
+                         memory.pending)
     recalled = await recall(store, rules.store, tenant, session, d)
     if not recalled:
         return d, store.failed

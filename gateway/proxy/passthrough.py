@@ -2,8 +2,11 @@
 websocket...): relayed to its upstream as is.
 
 No [mem] line: a short `relay` line and memgate_relayed_total by route class (never the
-raw path), and an HTTP span while tracing is on. A body with a Content-Length streams
-through unread; a chunked one is read within limits.max_body_bytes first.
+raw path), and an HTTP span while tracing is on. The body limit is the chat routes':
+over limits.max_body_bytes, as declared, as it arrives or once decoded, is a 413 before
+anything is forwarded. A body with a Content-Length within it and no Content-Encoding
+streams through unread; a chunked or compressed one is read (and a compressed one
+inflated, only to count) within the limit first, then relayed as sent.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from gateway.observe.metrics import route_class
 from gateway.observe.relayed import Relayed
 from gateway.proxy.appstate import STATE, GatewayState
 from gateway.proxy.error_answers import caller_wire, error_response, flavor_for
-from gateway.proxy.intake import admit, read_body
+from gateway.proxy.intake import admit, read_body, streams_unread
 from gateway.proxy.upstream import is_websocket, relay, relay_websocket
 
 if TYPE_CHECKING:  # the optional extra: imported only while tracing is on
@@ -50,9 +53,11 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
 
 async def _relay_as_is(request: web.Request, state: GatewayState, info: Relayed,
                        span: RequestSpan | None) -> web.StreamResponse:
-    """A body with a Content-Length is streamed through, whatever its size (never held:
-    a file upload is the provider's to bound, OpenAI's up to 512 MB); a chunked one is
-    read (up to limits.max_body_bytes) first."""
+    """A body with a Content-Length within limits.max_body_bytes and no encoding is
+    streamed through as it arrives (never held); a chunked or compressed one is read
+    within the limit first, so one over it is a clean 413 and the upstream never sees
+    half a request: that costs holding up to the limit per such request, and, for a
+    compressed one, inflating it (the decoded bytes are counted and dropped)."""
     rules = state.rules
     flavor = flavor_for(request)
     up = rules.upstream_for(request.path, None, caller_wire(request))
@@ -69,16 +74,16 @@ async def _relay_as_is(request: web.Request, state: GatewayState, info: Relayed,
     declared = request.content_length
     body: Any = None
     extra = None
-    if declared is not None:  # streamed through as it arrives
-        extra = {"Content-Length": str(declared)}
-        body = request.content if request.body_exists else None
-    elif request.body_exists:
-        # chunked, no declared length: read up to the limit first, so a body over it is a
-        # clean 413 and the upstream never sees half a request
-        try:
-            body = await read_body(request, rules.max_body_bytes, decode=False)
-        except GatewayError as err:
-            return error_response(err, flavor)
+    try:
+        if not request.body_exists:
+            extra = {"Content-Length": str(declared)} if declared is not None else None
+        elif streams_unread(request, rules.max_body_bytes):  # as it arrives
+            extra = {"Content-Length": str(declared)}
+            body = request.content
+        else:  # chunked or compressed: counted (and inflated within the limit) first
+            body = await read_body(request, rules.max_body_bytes, as_sent=True)
+    except GatewayError as err:
+        return error_response(err, flavor)
     if span is not None:
         extra = {**(extra or {}), **span.upstream(request, up)}
     try:
