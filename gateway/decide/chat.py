@@ -258,6 +258,11 @@ def _plan(d: Decision, rules: Rules, items: list[Any], recalled: list[str] | Non
         and d.plan.over_budget
         and rules.memory.eviction.on_over_budget == "reject"
     ):
+        if prules.limits.tokens_whole and (d.plan.kept_tokens or 0) > (d.budget_tokens or 0):
+            raise OverBudget(
+                "the system prompt, tools, pinned messages and the current turn alone "
+                f"exceed the model's window as the gateway counts it (max_tokens: auto = "
+                f"{d.budget_tokens} tokens for this request); shorten the current turn")
         raise OverBudget(
             "the pinned messages alone exceed the gateway's history budget "
             f"(max_tokens={d.budget_tokens}, max_chars={rules.memory.budget.max_chars}, "

@@ -85,11 +85,16 @@ class TurnText:
 
 def turns_of(d: Decision, since: int = 0) -> list[TurnText]:
     """The complete turns before the current one that start at message `since` or
-    later, with their text and fate (groups before that are not looked at)."""
+    later, with their text and fate (groups before that are not looked at). Turn 0 (no
+    user message of its own) is one when the client's opening context precedes it:
+    Claude Code's first task, whose prompt is in its fixed opening message."""
     conv = d.conv
     if conv is None:
         return []
     groups = conv.groups
+    opening = [i for i in conv.fixed if groups and i < groups[0].indices[0]
+               and d.wire.item_role(d.messages[i]) == "user"]
+    first = 0 if opening else 1  # the first turn that is a turn of its own
     g0 = bisect.bisect_left(groups, since, key=lambda grp: grp.indices[0])
     started_before = groups[g0 - 1].turn if 0 < g0 < len(groups) else None
     dropped = d.plan.dropped if d.plan is not None else None
@@ -99,7 +104,7 @@ def turns_of(d: Decision, since: int = 0) -> list[TurnText]:
     cut: dict[int, bool] = {}
     for g in range(g0, len(groups)):
         grp = groups[g]
-        if not 0 < grp.turn < conv.first_current_turn or grp.turn == started_before:
+        if not first <= grp.turn < conv.first_current_turn or grp.turn == started_before:
             continue
         by_turn.setdefault(grp.turn, []).extend(grp.indices)
         out_g = dropped is not None and dropped.covers(g)
@@ -110,7 +115,8 @@ def turns_of(d: Decision, since: int = 0) -> list[TurnText]:
         items = [d.messages[i] for i in idx]
         roles = [d.wire.item_role(m) for m in items]
         user = "\n".join(d.wire.item_text(m) for m, r in zip(items, roles, strict=True)
-                         if r == "user")
+                         if r == "user") if turn else "\n".join(
+            d.wire.item_text(d.messages[i]) for i in opening)
         assistant = "\n".join(d.wire.item_text(m) for m, r in zip(items, roles, strict=True)
                               if r == "assistant")
         out.append(TurnText(turn, idx[0], user, assistant, gone[turn], cut[turn]))

@@ -9,12 +9,17 @@ history's first reply whose text opens with a `memory.context.prefixes` prefix i
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import orjson
 
-from gateway.config.schema import CONTEXT_PREFIXES
+from gateway.config.rules import build_rules
+from gateway.config.schema import CONTEXT_PREFIXES, StoreRules
+from gateway.decide.chat import decide
 from gateway.decide.history import HistoryCache
+from gateway.measure.tokens import Tokenizers
+from gateway.memory.recall import archive_records
 from gateway.wire import anthropic_messages, openai_chat, openai_responses
 from gateway.wire.anthropic_messages import ANTHROPIC_MESSAGES
 from tests.conftest import GatewayFactory, Upstream
@@ -148,3 +153,23 @@ async def test_every_forwarded_request_carries_the_opening_context(
     ev = (await gw.wait_mem(1))[-1]
     assert int(ev["dropped"]) > 0 and ev["turn"] == "2", ev
     assert "fixed_tokens" in ev and ev.get("over_budget") != "true", ev
+
+
+def test_claude_codes_first_task_is_archived_when_dropped() -> None:
+    """The first task's loop and answer have no user message of their own (its prompt is in
+    the fixed opening message): dropped, they are still archived as a turn, with the
+    opening message as its request, so the store can bring the answer back."""
+    rules = build_rules({"memory": {"enable_eviction": True,
+                                    "budget": {"max_tokens": 50, "max_chars": None,
+                                               "max_messages": None, "max_turns": None},
+                                    "eviction": {"recall_share": 0.0}},
+                         "tokens": {"models_file": "rules/models.yaml"}},
+                        base_dir=Path(__file__).resolve().parents[2])
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": claude_session(3)}
+    raw = orjson.dumps(body)
+    d = decide(raw, orjson.loads(raw), rules, Tokenizers(10_000), ANTHROPIC_MESSAGES)
+    assert d.plan is not None and d.plan.dropped
+    records, _ = archive_records(d, "t", "s", "a", StoreRules(archive="evicted"))
+    texts = [r.text for r in records]
+    assert any("TASK1: list the files" in x and "TASK1-DONE" in x for x in texts), texts
+    assert any("TASK2-DONE" in x for x in texts), texts
