@@ -32,7 +32,7 @@ def effective_config(rules: Rules) -> dict[str, Any]:
         "listen": {"host": rules.listen_host, "port": rules.listen_port,
                    "admin_port": rules.listen_admin_port, "admin_host": rules.listen_admin_host},
         "logging": {"format": rules.log_format, "level": rules.log_level},
-        "limits": {"max_body_bytes": rules.max_body_bytes},
+        "limits": {"max_body_bytes": rules.max_body_bytes, "cache_mb": rules.cache_mb},
         "session": {"id_from": list(rules.session_id_from),
                     "max_tracked": rules.max_tracked_sessions,
                     "history_cache_mb": rules.history_cache_mb},

@@ -87,7 +87,7 @@ SECTIONS: dict[str, frozenset[str]] = {
                               "wire"}),
     "listen": frozenset({"host", "port", "admin_port", "admin_host"}),
     "logging": frozenset({"format", "level"}),
-    "limits": frozenset({"max_body_bytes"}),
+    "limits": frozenset({"max_body_bytes", "cache_mb"}),
     "session": frozenset({"id_from", "header", "max_tracked", "history_cache_mb"}),
     "tokens": frozenset({"cache_size", "models_file", "approx_factor"}),
     "capture": frozenset({"enabled", "dir", "sample_rate", "max_files", "around_change"}),
@@ -373,6 +373,7 @@ def build_rules(
             logging_, "logging", "level", check_str(("debug", "info", "warning", "error")), "info"
         ),
         max_body_bytes=r.get(limits, "limits", "max_body_bytes", check_int(1024), 32 * 1024 * 1024),
+        cache_mb=r.get(limits, "limits", "cache_mb", check_int(16), 256),
         session_id_from=_session_id_from(r, session),
         max_tracked_sessions=r.get(session, "session", "max_tracked", check_int(1), 10_000),
         history_cache_mb=r.get(session, "session", "history_cache_mb", check_int(0), 256),

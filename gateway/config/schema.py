@@ -295,6 +295,8 @@ class Rules:
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
     max_body_bytes: int = 32 * 1024 * 1024
+    # the per-process content caches together (limits.cache_mb; proxy/cache_bounds.py)
+    cache_mb: int = 256
     # where a request's session id comes from, first match wins (session.id_from)
     session_id_from: tuple[str, ...] = SESSION_ID_FROM
     max_tracked_sessions: int = 10_000

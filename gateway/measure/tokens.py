@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,6 +39,12 @@ _BLOBS = {
 PER_MESSAGE = 3
 PER_NAME = 1
 REPLY_PRIMING = 3
+# The count cache is keyed by message text: bounded by entries (tokens.cache_size) alone,
+# 200,000 long messages held gigabytes. Also bounded by the bytes its keys hold, the
+# encodings' caches together (Tokenizers.bound); an entry costs its string and about this
+# much besides (the ordered dict's slot and link, CPython 3.11)
+CACHE_BYTES = 32 << 20  # the default share (limits.cache_mb, proxy/cache_bounds.py)
+ENTRY_BYTES = 100
 
 
 def _cached_locally(name: str) -> bool:
@@ -62,6 +69,7 @@ def load_encoding(name: str) -> tuple[tiktoken.Encoding, str]:
 class CacheStats:
     hits: int = 0
     misses: int = 0
+    bytes: int = 0  # held by the cache's entries (their strings and ENTRY_BYTES each)
 
 
 class TokenCounter:
@@ -69,10 +77,12 @@ class TokenCounter:
 
     factor = 1.0  # text counts x this (ScaledCounter); media costs never
 
-    def __init__(self, encoding: tiktoken.Encoding, name: str, cache_size: int) -> None:
+    def __init__(self, encoding: tiktoken.Encoding, name: str, cache_size: int,
+                 cache_bytes: int = CACHE_BYTES) -> None:
         self.encoding = encoding
         self.name = name
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self._cache: OrderedDict[str, int] = OrderedDict()
         self.stats = CacheStats()
         self._scaled: dict[float, ScaledCounter] = {}
@@ -89,7 +99,7 @@ class TokenCounter:
 
     def private(self) -> TokenCounter:
         """An uncached counter of the same encoding and factor (for another thread)."""
-        return TokenCounter(self.encoding, self.name, 0).scaled(self.factor)
+        return TokenCounter(self.encoding, self.name, 0, 0).scaled(self.factor)
 
     def count(self, text: str) -> int:
         if not text:
@@ -102,11 +112,26 @@ class TokenCounter:
             return n
         self.stats.misses += 1
         n = len(self.encoding.encode_ordinary(text))
-        if self.cache_size:
+        size = sys.getsizeof(text) + ENTRY_BYTES
+        if self.cache_size and size <= self.cache_bytes:
             cache[text] = n
-            if len(cache) > self.cache_size:
-                cache.popitem(last=False)
+            self.stats.bytes += size
+            self.trim()
         return n
+
+    def trim(self) -> None:
+        """Forget the least recently counted texts past either bound."""
+        cache, stats = self._cache, self.stats
+        while len(cache) > self.cache_size or stats.bytes > self.cache_bytes:
+            old, _ = cache.popitem(last=False)
+            stats.bytes -= sys.getsizeof(old) + ENTRY_BYTES
+
+    def bound(self, cache_bytes: int) -> None:
+        """A new byte bound for this encoding's cache (its scaled views share it)."""
+        self.cache_bytes = cache_bytes
+        for view in self._scaled.values():
+            view.cache_bytes = cache_bytes
+        self.trim()
 
     def count_pieces(self, pieces: Iterable[Piece]) -> int:
         """Tokens of what a wire says the model reads: text is tokenized, media parts
@@ -132,7 +157,7 @@ class ScaledCounter(TokenCounter):
     documented cost, which is the provider's own count already."""
 
     def __init__(self, base: TokenCounter, factor: float) -> None:
-        super().__init__(base.encoding, base.name, base.cache_size)
+        super().__init__(base.encoding, base.name, base.cache_size, base.cache_bytes)
         self.factor = factor
         self._cache, self.stats = base._cache, base.stats  # one cache of the encoding's
         self._base = base
@@ -160,8 +185,9 @@ class ScaledCounter(TokenCounter):
 class Tokenizers:
     """One TokenCounter per resolved encoding, shared by all models that use it."""
 
-    def __init__(self, cache_size: int) -> None:
+    def __init__(self, cache_size: int, cache_bytes: int = CACHE_BYTES) -> None:
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self._by_name: dict[str, TokenCounter] = {}
         self.resolved: dict[str, str] = {}
 
@@ -172,10 +198,19 @@ class Tokenizers:
             self.resolved[name] = actual
             counter = self._by_name.get(actual)
             if counter is None:
-                counter = TokenCounter(enc, actual, self.cache_size)
+                counter = TokenCounter(enc, actual, self.cache_size, self.cache_bytes)
                 self._by_name[actual] = counter
+                self.bound(self.cache_bytes)
             self._by_name[name] = counter
         return counter
+
+    def bound(self, cache_bytes: int) -> None:
+        """At most `cache_bytes` in the caches of every encoding together (an equal part
+        each); a reload may change it."""
+        self.cache_bytes = cache_bytes
+        counters = {id(c): c for c in self._by_name.values()}.values()
+        for counter in counters:
+            counter.bound(cache_bytes // len(counters))
 
     def preload(self, names: Iterable[str]) -> dict[str, str]:
         for n in names:

@@ -88,10 +88,24 @@ def compact_text(text: str, rules: CompactRules, archived_as: str | None = None)
             if key not in _MEMO:
                 _MEMO[key] = out
                 _memo_chars += len(text)
-                while _memo_chars > _MEMO_LIMIT:
-                    old, _ = _MEMO.popitem(last=False)
-                    _memo_chars -= len(old[0])
+                _trim_memo()
     return out
+
+
+def bound_memo(max_bytes: int) -> None:
+    """Remember results up to about `max_bytes` (limits.cache_mb): a result's text and
+    its compacted form, which is shorter, so half as many characters of results."""
+    global _MEMO_LIMIT
+    with _memo_lock:
+        _MEMO_LIMIT = max_bytes // 2
+        _trim_memo()
+
+
+def _trim_memo() -> None:
+    global _memo_chars
+    while _memo_chars > _MEMO_LIMIT:
+        old, _ = _MEMO.popitem(last=False)
+        _memo_chars -= len(old[0])
 
 
 def _compact_text(text: str, rules: CompactRules, archived_as: str | None) -> str | None:

@@ -17,10 +17,12 @@ import bisect
 import functools
 import math
 import operator
+import sys
 from collections import Counter
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gateway.measure.bounded import BoundedMemo
 from gateway.measure.conversation import Conversation, Group
 from gateway.measure.terms import index_text
 
@@ -106,11 +108,21 @@ def terms(text: str) -> list[str]:
     return [_stem(w) for w in index_text(text).split()]
 
 
-@functools.lru_cache(maxsize=8192)
+# a group's text can be a long tool output: bounded by bytes as well (issue #39)
+COUNTED_BYTES = 16 << 20  # the default share (limits.cache_mb)
+COUNTED: BoundedMemo[str, Mapping[str, int]] = BoundedMemo(8192, COUNTED_BYTES)
+
+
 def _counted(text: str) -> Mapping[str, int]:
     """A group's words by text: a history parsed again (no session cache, another
-    replica's session) is not read again (bounded: 8,192 texts, shared, never changed)."""
-    return Counter(terms(text))
+    replica's session) is not read again (bounded: 8,192 texts and COUNTED_BYTES, shared,
+    never changed)."""
+    words = COUNTED.get(text)
+    if words is None:
+        words = Counter(terms(text))
+        # the text, and per distinct word a dict slot (its string is _stem's, shared)
+        COUNTED.put(text, words, sys.getsizeof(text) + sys.getsizeof(words))
+    return words
 
 
 def index_history(conv: Conversation, end: int, text_of: Callable[[int], str]) -> Index:

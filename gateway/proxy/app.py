@@ -23,6 +23,7 @@ from gateway.memory.state import MemoryState, RedisState
 from gateway.observe import logging as mglog
 from gateway.proxy import admin_routes, chat_route, listeners
 from gateway.proxy.appstate import STATE, GatewayState, RefusedSessions
+from gateway.proxy.cache_bounds import bound_caches
 from gateway.proxy.error_answers import contained_paths
 from gateway.proxy.intake import read_body
 from gateway.proxy.passthrough import passthrough
@@ -108,7 +109,7 @@ def create_app(
         if (old.models, old.default_encoding) != (new.models, new.default_encoding):
             _preload_tokenizers(state, new)
         state.capture.config_changed(new.capture)
-        state.history.resize(new.history_cache_mb << 20, new.max_tracked_sessions)
+        bound_caches(state, new)  # limits.cache_mb, session.history_cache_mb, max_tracked
         state.refused.max_entries = new.max_tracked_sessions
         if (old.upstreams, old.tenants) != (new.upstreams, new.tenants):
             _warn_injection(state, new)
@@ -129,6 +130,7 @@ def create_app(
         log=log,
     )
     state.memory = MemoryService(env or {}, log)
+    bound_caches(state, rules)
     console.sync(state, rules)
     state.metrics.watch_history(state.history)
     state.metrics.watch_backends([state.store_health, state.archive_health, *(

@@ -209,7 +209,7 @@ def plan_bench(rounds: int) -> None:
     from gateway.decide.chat import decide
     from gateway.decide.history import HistoryCache
     from gateway.measure.tokens import Tokenizers
-    from gateway.policy.carry.snapshot import _extract_cached
+    from gateway.policy.carry.snapshot import EXTRACTED
     from tests.perf.bench_plan import ROOT
     from tests.perf.bench_plan import history as plan_history
 
@@ -228,7 +228,7 @@ def plan_bench(rounds: int) -> None:
         for r in range(rounds * 5):
             for off, rules in variants.items():
                 tok = Tokenizers(200_000)
-                _extract_cached.cache_clear()  # cold: no message's extraction cached
+                EXTRACTED.clear()  # cold: no message's extraction cached
                 cache = None if off == "history" else HistoryCache(1 << 30, 16)
                 t0 = time.process_time()
                 decide(raw, orjson.loads(raw), rules, tok, history=cache, key=("t", "s"))

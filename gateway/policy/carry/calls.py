@@ -14,9 +14,9 @@ Pure; cached by the call's name and head.
 
 from __future__ import annotations
 
-import functools
 import posixpath
 import re
+import sys
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -24,6 +24,7 @@ import orjson
 
 from gateway.config.carry import CarryPatterns
 from gateway.config.carry_calls import CallRules
+from gateway.measure.bounded import BoundedMemo
 
 CALL_CHARS = 16_384  # of a call's arguments text, what is read
 MAX_PATH = 400  # a longer value is not a path
@@ -210,10 +211,15 @@ def call_facts(p: CarryPatterns, call: ToolCall) -> CallFacts:
     whole, call after call)."""
     if not _PATTERNS or _PATTERNS[0] is not p:  # a reload: start a fresh cache
         _PATTERNS[:] = [p]
-        _facts_cached.cache_clear()
-    return _facts_cached(call.name, call.arguments[:CALL_CHARS])
+        FACTS.clear()
+    key = (call.name, call.arguments[:CALL_CHARS])
+    facts = FACTS.get(key)
+    if facts is None:
+        facts = _facts(p, *key)
+        FACTS.put(key, facts, sys.getsizeof(key[0]) + sys.getsizeof(key[1]) + 300
+                  + sum(sys.getsizeof(v) for _, v in facts.refs + facts.written))
+    return facts
 
 
-@functools.lru_cache(maxsize=4096)  # keys up to CALL_CHARS long: at most ~64 MB held
-def _facts_cached(name: str, head: str) -> CallFacts:
-    return _facts(_PATTERNS[0], name, head)
+# by (name, arguments up to CALL_CHARS): bounded by entries and bytes (limits.cache_mb)
+FACTS: BoundedMemo[tuple[str, str], CallFacts] = BoundedMemo(4096, 16 << 20)

@@ -12,8 +12,8 @@ caller to log.
 
 from __future__ import annotations
 
-import functools
 import re
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 from gateway.config.carry import CarryPatterns, Deictic
 from gateway.config.schema import CarryRules
+from gateway.measure.bounded import BoundedMemo
 from gateway.policy.carry.calls import ToolCall, call_facts, moved, refs_in
 
 FILE_TYPES = ("path", "file")  # the ref types a tool call's touched files are of
@@ -161,12 +162,26 @@ _PATTERNS: list[CarryPatterns] = []  # the patterns the extraction cache was fil
 def _extract(p: CarryPatterns, role: str, text: str) -> _Extract:
     if not _PATTERNS or _PATTERNS[0] is not p:  # a reload: start a fresh cache
         _PATTERNS[:] = [p]
-        _extract_cached.cache_clear()
+        EXTRACTED.clear()
     return _extract_cached(role, text)
 
 
-@functools.lru_cache(maxsize=50_000)
 def _extract_cached(role: str, text: str) -> _Extract:
+    out = EXTRACTED.get((role, text))
+    if out is None:
+        out = _extract_uncached(role, text)
+        EXTRACTED.put((role, text), out, extract_size(text, out))
+    return out
+
+
+def extract_size(text: str, out: _Extract) -> int:
+    """Bytes an entry of the extraction cache holds: the text, the strings found in it,
+    the key and the named tuple."""
+    return (sys.getsizeof(text) + sys.getsizeof(out.question)
+            + sys.getsizeof(out.first_clause) + 300)
+
+
+def _extract_uncached(role: str, text: str) -> _Extract:
     p = _PATTERNS[0]
     mask = p.prefilter.scan(text)  # which patterns' fixed strings the text contains
     bits = p.bits
@@ -189,6 +204,12 @@ def _extract_cached(role: str, text: str) -> _Extract:
         ask=False, close=False,
         output=bool(mask & bits["output_verbs"]) and p.output_verbs.search(text) is not None,
         question="", first_clause=_first_clause(text))
+
+
+# every message of a history is read by the fold: by (role, text), bounded by entries and
+# by bytes (by entries alone, 50,000 long tool outputs held gigabytes)
+EXTRACT_BYTES = 16 << 20  # the default share (limits.cache_mb)
+EXTRACTED: BoundedMemo[tuple[str, str], _Extract] = BoundedMemo(50_000, EXTRACT_BYTES)
 
 
 class Fold:
