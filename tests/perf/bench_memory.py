@@ -44,15 +44,22 @@ def vmrss_mb(pid: int) -> float:
     return int(m.group(1)) / 1024
 
 
-def config(where: Path, cache_mb: int, tracked: int) -> Path:
-    data: dict[str, Any] = yaml.safe_load((ROOT / "rules" / "gateway.yaml").read_text())
-    data["memory"]["enable_eviction"] = True
+def shipped_config(root: Path = ROOT) -> dict[str, Any]:
+    """rules/gateway.yaml of the tree at `root`, the files it names by absolute path (so a
+    copy written elsewhere loads the same)."""
+    data: dict[str, Any] = yaml.safe_load((root / "rules" / "gateway.yaml").read_text())
     carry = data["memory"].get("carry")
     if isinstance(carry, dict) and "rules_file" in carry:
-        carry["rules_file"] = str(ROOT / "rules" / carry["rules_file"])
+        carry["rules_file"] = str(root / "rules" / carry["rules_file"])
     tokens = data.setdefault("tokens", {})
     if "models_file" in tokens:
-        tokens["models_file"] = str(ROOT / "rules" / tokens["models_file"])
+        tokens["models_file"] = str(root / "rules" / tokens["models_file"])
+    return data
+
+
+def config(where: Path, cache_mb: int, tracked: int) -> Path:
+    data = shipped_config()
+    data["memory"]["enable_eviction"] = True
     data["session"] = {**data.get("session", {}), "history_cache_mb": cache_mb,
                        "max_tracked": tracked}
     path = where / f"mem-{cache_mb}.yaml"

@@ -35,7 +35,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateway import REPLY, ROOT, UPSTREAM, Proc, free_port  # noqa: E402
-from bench_memory import vmrss_mb  # noqa: E402
+from bench_memory import shipped_config, vmrss_mb  # noqa: E402
 
 PAD = [0]  # --pad-kb: text of its own per session in the answer (content, not bookkeeping)
 
@@ -52,14 +52,8 @@ def short_chat(k: int) -> bytes:
 def config(where: Path, evict: bool, tracked: int | None, cache_mb: int | None = None,
            root: Path = ROOT) -> Path:
     """The shipped config of the tree at `root`, with these settings."""
-    data: dict[str, Any] = yaml.safe_load((root / "rules" / "gateway.yaml").read_text())
+    data = shipped_config(root)
     data["memory"]["enable_eviction"] = evict
-    carry = data["memory"].get("carry")
-    if isinstance(carry, dict) and "rules_file" in carry:
-        carry["rules_file"] = str(root / "rules" / carry["rules_file"])
-    tokens = data.setdefault("tokens", {})
-    if "models_file" in tokens:
-        tokens["models_file"] = str(root / "rules" / tokens["models_file"])
     if tracked is not None:
         data["session"] = {**data.get("session", {}), "max_tracked": tracked}
     if cache_mb is not None:
