@@ -194,12 +194,12 @@ def opens_with(content: Any, prefixes: tuple[str, ...]) -> bool:
     if not prefixes:
         return False
     if isinstance(content, str):
-        return content.lstrip().startswith(prefixes)
+        return has_prefix(content, prefixes)
     if isinstance(content, list):
         for part in content:
             if isinstance(part, dict):
                 text = part.get("text")
-                if isinstance(text, str) and text.lstrip().startswith(prefixes):
+                if isinstance(text, str) and has_prefix(text, prefixes):
                     return True
     return False
 
@@ -252,9 +252,9 @@ def pin_of(meta_pin: Pin | None, text: str | None, prefix: str, min_score: float
     return None
 
 
-def has_prefix(text: str, prefix: str) -> bool:
-    """text.lstrip().startswith(prefix), without copying the text when it starts with
-    no whitespace."""
+def has_prefix(text: str, prefix: str | tuple[str, ...]) -> bool:
+    """text.lstrip().startswith(prefix) (one prefix or any of several), without copying
+    the text when it starts with no whitespace."""
     return text.startswith(prefix) or (text[:1].isspace() and text.lstrip().startswith(prefix))
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import orjson
 
 from gateway.config.schema import CONTEXT_PREFIXES
+from gateway.measure.conversation import has_prefix
 
 _SAFE = re.compile(r"[^A-Za-z0-9._:@/-]")
 MAX_ID = 128
@@ -188,8 +189,9 @@ def opening(items: list[Any] | None, prefixes: tuple[str, ...]) -> tuple[list[st
             system += _texts(item.get("content"))
         elif role == "user":
             texts = _texts(item.get("content"))
-            real = [t for t in texts if not t.lstrip().startswith(prefixes)]
-            opened += [t for t in texts if t.lstrip().startswith(prefixes)] + real
+            context = [has_prefix(t, prefixes) for t in texts]
+            real = [t for t, c in zip(texts, context, strict=True) if not c]
+            opened += [t for t, c in zip(texts, context, strict=True) if c] + real
             if real:
                 break
     return system, opened
