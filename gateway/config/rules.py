@@ -31,6 +31,7 @@ from gateway.config.schema import (
     Eviction,
     Markers,
     Memory,
+    RetrieveRules,
     Rules,
     StateRules,
     StoreRules,
@@ -54,6 +55,7 @@ from gateway.config.validate import (
     check_str_list,
     check_tag_tuple,
     check_tenant_name,
+    check_tool_name,
     check_tracing_enabled,
     check_window,
     check_window_or_none,
@@ -68,8 +70,11 @@ SECTIONS: dict[str, frozenset[str]] = {
                    "capture", "store", "state", "tenants", "tracing",
                    "console"}),
     "memory": frozenset({"enable_eviction", "shadow", "budget", "eviction", "markers", "carry",
-                         "write", "fallback_original", "fallback_backoff_s", "context"}),
+                         "write", "fallback_original", "fallback_backoff_s", "context",
+                         "retrieve"}),
     "memory.context": frozenset({"prefixes"}),
+    "memory.retrieve": frozenset({"enabled", "tool_name", "description", "max_rounds",
+                                  "max_result_chars", "current_min_chars", "skip_models"}),
     "memory.budget": frozenset({"max_tokens", "max_chars", "max_messages", "max_turns",
                                 "safety_ratio", "reserve_output_tokens"}),
     "memory.eviction": frozenset({"order", "keep_pinned", "max_pinned", "drop_unit",
@@ -130,6 +135,22 @@ def _parse_carry(
     return rules, load_companion(r, f"{k}.rules_file", path, load_carry_patterns), str(path)
 
 
+def _parse_retrieve(r: Reader, data: Any) -> RetrieveRules:
+    k, d = "memory.retrieve", RetrieveRules()
+    s = r.section(data, k)
+    return RetrieveRules(
+        enabled=r.get(s, k, "enabled", check_bool, d.enabled),
+        tool_name=r.get(s, k, "tool_name", check_tool_name, d.tool_name),
+        description=r.get(s, k, "description", check_str(), d.description),
+        max_rounds=r.get(s, k, "max_rounds", check_int(1, 10), d.max_rounds),
+        max_result_chars=r.get(s, k, "max_result_chars", check_int(500, 200_000),
+                               d.max_result_chars),
+        current_min_chars=r.get(s, k, "current_min_chars", check_int(2000, nullable=True),
+                                d.current_min_chars),
+        skip_models=r.get(s, k, "skip_models", check_str_list, d.skip_models),
+    )
+
+
 def _parse_memory(r: Reader, data: Any, base_dir: Path) -> tuple[Memory, str | None]:
     m = r.section(data, "memory")
     b = r.section(m.get("budget"), "memory.budget")
@@ -186,6 +207,7 @@ def _parse_memory(r: Reader, data: Any, base_dir: Path) -> tuple[Memory, str | N
     )
     c = r.section(m.get("context"), "memory.context")
     context_prefixes = r.get(c, "memory.context", "prefixes", check_prefixes, CONTEXT_PREFIXES)
+    retrieve = _parse_retrieve(r, m.get("retrieve"))
     # memory.write is the seed's name (000) for memory.carry: one section, two spellings
     carry_key = "memory.carry"
     if "write" in m:
@@ -205,6 +227,7 @@ def _parse_memory(r: Reader, data: Any, base_dir: Path) -> tuple[Memory, str | N
         context_prefixes=context_prefixes,
         carry=carry,
         carry_patterns=patterns,
+        retrieve=retrieve,
         fallback_original=r.get(m, "memory", "fallback_original", check_bool, True),
         fallback_backoff_s=r.get(m, "memory", "fallback_backoff_s", check_float(0, 86400), 600.0),
     ), carry_path

@@ -124,6 +124,36 @@ CONTEXT_PREFIXES = ("<system-reminder>", "<environment_context>", "<user_instruc
                     "# AGENTS.md instructions")
 
 
+# what the retrieval tool says of itself: the same bytes on every request of every session
+RETRIEVE_DESCRIPTION = (
+    "Returns content memgate left out of this conversation to fit its context budget: "
+    "earlier turns and the full text of shortened tool results. Call it with the handle "
+    "a [memgate: ...] marker names when you need what was left out; a long result comes "
+    "in parts (call again with the offset it gives).")
+# models that take no tools: the retrieval tool is never added to their requests
+NO_TOOL_MODELS = ("o1-mini*", "o1-preview*", "chatgpt-4o-latest", "*-search-preview*",
+                  "*-audio-preview*", "*-realtime-preview*", "gpt-3.5-turbo-instruct*")
+
+
+@dataclass(frozen=True, slots=True)
+class RetrieveRules:
+    """memory.retrieve: a tool memgate adds to a request it cuts and answers itself."""
+
+    enabled: bool = False
+    tool_name: str = "memgate_retrieve"
+    description: str = RETRIEVE_DESCRIPTION
+    max_rounds: int = 3  # extra upstream requests one client request may cost
+    max_result_chars: int = 8000  # of one tool result memgate answers (the rest: offset)
+    # results of the current turn at least this long are excerpted too (head and tail,
+    # with a handle); None: the current turn's results stay whole
+    current_min_chars: int | None = None
+    skip_models: tuple[str, ...] = NO_TOOL_MODELS
+
+    def takes_tools(self, model: str | None) -> bool:
+        return model is None or not any(fnmatch.fnmatchcase(model, p)
+                                        for p in self.skip_models)
+
+
 @dataclass(frozen=True, slots=True)
 class Memory:
     enable_eviction: bool = False
@@ -136,6 +166,7 @@ class Memory:
     context_prefixes: tuple[str, ...] = CONTEXT_PREFIXES
     carry: CarryRules = field(default_factory=lambda: CarryRules(enabled=False))
     carry_patterns: CarryPatterns | None = None
+    retrieve: RetrieveRules = field(default_factory=RetrieveRules)
     # a body the gateway changed (evicted, note added, metadata cut) that the upstream
     # refuses as invalid is resent as the client sent it
     fallback_original: bool = True

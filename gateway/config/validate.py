@@ -92,6 +92,16 @@ def check_str_list(v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def check_tool_name(v: Any) -> str:
+    """A tool name every wire takes (OpenAI's and Anthropic's rule: ^[a-zA-Z0-9_-]{1,64}$)."""
+    if not isinstance(v, str) or not _TOOL_NAME.fullmatch(v):
+        raise ValueError(f"must be 1-64 letters, digits, _ or -, got {v!r}")
+    return v
+
+
 MAX_PREFIXES = 32
 MAX_PREFIX_CHARS = 256
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway.config.schema import CarryRules, Rules
 from gateway.decide.decision import Decision
+from gateway.decide.retrieve import hist_line
 from gateway.policy import PlanRules
 from gateway.policy.carry import Fold, render_note
 from gateway.policy.carry.note import DEFAULT_NOTE
@@ -54,7 +55,8 @@ def carry_note(
                                                         skipped=carry.log_skipped)
     template = patterns.note if patterns is not None else DEFAULT_NOTE
     d.recalled = list(recalled or [])
-    d.note = render_note(d.snapshot, template, carry.max_note_chars, d.recalled)
+    line = hist_line(d, rules.memory.retrieve.tool_name) if dropped else None
+    d.note = render_note(d.snapshot, template, carry.max_note_chars, d.recalled, line)
     return d.note is not None
 
 

@@ -23,6 +23,7 @@ from gateway.decide.compact_tools import compact, compactable
 from gateway.decide.decision import Decision
 from gateway.decide.forward_body import build_forward
 from gateway.decide.history import HistoryCache
+from gateway.decide.retrieve import carries_tool, may_retrieve
 from gateway.decide.splice import Splice
 from gateway.errors import BadRequest, OverBudget
 from gateway.measure.conversation import (
@@ -149,7 +150,10 @@ def _plan_into(
     d.conv.outside_chars = wire.fixed_chars(payload)
     d.conv.current = _input_began(d.conv, wire, items)
     if d.mode != "off" and d.skip_reason is None:
+        may_retrieve(d, rules, key)
         _plan(d, rules, items, recalled, archive_in)
+        if carries_tool(d):
+            d.retrieve = rules.memory.retrieve.tool_name
     if d.plan is not None and d.plan.dropped:
         # the parse lists the marked messages: not a look at every dropped one
         kept = d.plan.kept
@@ -241,6 +245,7 @@ def _plan(d: Decision, rules: Rules, items: list[Any], recalled: list[str] | Non
             todo = {**todo, **{i: todo.get(i, []) + rs for i, rs in lost.items()}}
             spare = {}
             d.conv, d.compacted, d.compact_tokens, d.archived = client_conv, {}, {}, {}
+            d.retrievable = {}
     if d.noted and not d.plan.dropped:  # the fill brought back all the stages dropped
         d.noted, d.note, d.snapshot, d.recalled = False, None, None, []
     if d.mode == "on" and (d.plan.dropped or recalled) and (

@@ -39,6 +39,14 @@ def compactable(d: Decision, rules: Rules
     todo: dict[int, list[ToolResult]] = {}
     for r in eligible(results, crules, pins, unread):
         todo.setdefault(r.index, []).append(r)
+    big = rules.memory.retrieve.current_min_chars
+    if d.handles_in is not None and big is not None:
+        # memory.retrieve: a long result the model has not read yet is excerpted too,
+        # its handle in the marker (one the model needs whole is a retrieval away)
+        for r in results:
+            if (r.index >= unread and r.index not in pins and len(r.text) >= big
+                    and (r.tool is None or r.tool not in crules.exclude_tools)):
+                todo.setdefault(r.index, []).append(r)
     spare: dict[int, list[ToolResult]] = {}
     if crules.keep_recent:
         for r in eligible(results[-crules.keep_recent:], replace(crules, keep_recent=0),
@@ -69,22 +77,27 @@ def compact(d: Decision, rules: Rules, todo: dict[int, list[ToolResult]],
     # what the budget counts (text_chars, the groups' chars and tokens) is compacted
     text_chars = list(conv.text_chars)
     d.compact_chars = {}
+    # memory.retrieve: every excerpt names a handle the retrieval tool takes (the
+    # archive id when the store archives it, else one of the tenant and session)
+    tool = rules.memory.retrieve.tool_name if d.handles_in is not None else None
     for i, results in todo.items():
-        rs = [(r, archive_id(archive_in, r.text) if archive_in and len(r.text) <= room
-               else None) for r in results]
-        item, key = items[i], tuple((r.path, aid) for r, aid in rs)
+        rs = [_handles(r, archive_in, room, d.handles_in) for r in results]
+        item, key = items[i], (tuple((r.path, aid) for r, aid, _ in rs), tool)
         hit = done.get(id(item))
         if (hit is None or hit.item is not item or hit.key != key or hit.rules is not crules
                 or hit.counter is not d.counter):
-            hit = _compact_item(d, item, key, rs, crules)
+            hit = _compact_item(d, item, key, rs, crules, tool)
         shared.items[id(item)] = hit
         if hit.subs:
             d.compacted[i] = list(hit.subs)
             d.compact_tokens[i], d.compact_chars[i] = hit.tokens, hit.chars
             shorter[i] = hit.lost
             text_chars[i] -= hit.lost  # only a result's text changed: the text it lost
-            for aid, original in hit.archived:
-                d.archived[aid] = (i, original)
+            for aid, original, stored in hit.archived:
+                if stored:
+                    d.archived[aid] = (i, original)
+                if tool is not None:
+                    d.retrievable[aid] = original
     if not d.compacted:
         return False
     made, shared.groups = shared.groups if resume else {}, {}
@@ -130,26 +143,38 @@ class _CompactedItem:
     counted again on every request."""
 
     item: Any
-    key: tuple[tuple[tuple[str | int, ...], str | None], ...]
+    key: tuple[tuple[tuple[tuple[str | int, ...], str | None], ...], str | None]
     rules: CompactRules
     counter: TokenCounter
     subs: tuple[tuple[tuple[str | int, ...], str], ...]  # (path, compacted text)
     tokens: int  # the item's, compacted
     chars: int  # the item's, compacted, by hist_chars' measure (sent_chars)
     lost: int  # characters of text its results lost
-    archived: tuple[tuple[str, str], ...]  # (archive id, original)
+    # (archive id or handle, original, whether the store archives it)
+    archived: tuple[tuple[str, str, bool], ...]
 
 
-def _compact_item(d: Decision, item: Any, key: Any, results: list[tuple[ToolResult, str | None]],
-                  crules: CompactRules) -> _CompactedItem:
+def _handles(r: ToolResult, archive_in: str | None, room: int, handles_in: str | None
+             ) -> tuple[ToolResult, str | None, bool]:
+    """(the result, the id its marker names, whether the store archives its original)."""
+    stored = archive_in is not None and len(r.text) <= room
+    if stored:
+        assert archive_in is not None
+        return r, archive_id(archive_in, r.text), True
+    return r, archive_id(handles_in, r.text) if handles_in is not None else None, False
+
+
+def _compact_item(d: Decision, item: Any, key: Any,
+                  results: list[tuple[ToolResult, str | None, bool]], crules: CompactRules,
+                  tool: str | None) -> _CompactedItem:
     subs, archived, lost = [], [], 0
-    for r, aid in results:
-        text = compact_text(r.text, crules, aid)
+    for r, aid, stored in results:
+        text = compact_text(r.text, crules, aid, tool)
         if text is not None:
             subs.append((r.path, text))
             lost += len(r.text) - len(text)
             if aid is not None and MARK in text:  # excerpted, not only minified
-                archived.append((aid, r.text))
+                archived.append((aid, r.text, stored))
     tokens = chars = 0
     if subs:
         new = item

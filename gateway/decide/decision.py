@@ -55,6 +55,14 @@ class Decision:
     compact_chars: dict[int, int] = field(default_factory=dict)  # hist_chars' measure
     archived: dict[str, tuple[int, str]] = field(default_factory=dict)  # id -> (item, original)
     noted: bool = False  # the carry note was built (d.note: it, or None if there is none)
+    # memory.retrieve: the tenant and session the handles are made for (None: the request
+    # may not carry the retrieval tool; `retrieve_off` says why, when a rule forbids it),
+    # the tool's name when the forwarded body carries it, and what its handles give back
+    handles_in: str | None = None
+    retrieve_off: str | None = None
+    retrieve: str | None = None
+    retrievable: dict[str, str] = field(default_factory=dict)  # cmp- handle -> original
+    hist_handle: str | None = None  # the dropped turns' handle, when the note names it
 
     @property
     def messages(self) -> list[Any]:
@@ -117,7 +125,8 @@ class Decision:
         return replace(self, forward=self.raw, plan=None, skip_reason=reason, note=None,
                        snapshot=None, recalled=[], compacted={}, compact_tokens={},
                        compact_chars={}, archived={}, cache_marker_dropped=False,
-                       cache_marker_moved=False)
+                       cache_marker_moved=False, retrieve=None, retrievable={},
+                       hist_handle=None)
 
     def kept_tokens(self) -> int:
         """Estimated tokens of the request with only the plan's kept messages (and the

@@ -18,6 +18,7 @@ from gateway.decide.splice import spans_of
 from gateway.measure.conversation import Conversation
 from gateway.policy import Plan
 from gateway.wire.jsonbytes import Span
+from gateway.wire.retrieve_tool import tool_def
 
 
 def build_forward(d: Decision, rules: Rules, items: list[Any]) -> None:
@@ -25,7 +26,9 @@ def build_forward(d: Decision, rules: Rules, items: list[Any]) -> None:
     list); left the client's bytes when nothing is dropped, noted, compacted or cut out."""
     assert d.conv is not None
     wire, raw, payload = d.wire, d.raw, d.payload
-    if d.mode == "on" and d.plan is not None and (d.plan.dropped or d.note or d.compacted):
+    tool = _tool(rules, wire) if d.retrieve is not None else None
+    if d.mode == "on" and d.plan is not None and (d.plan.dropped or d.note or d.compacted
+                                                  or tool is not None):
         marker_at, ttl = None, None
         if d.cache_marker_dropped and rules.memory.eviction.move_cache_marker:
             marker_at = _end_of_stable_prefix(d.conv, d.plan)
@@ -37,11 +40,21 @@ def build_forward(d: Decision, rules: Rules, items: list[Any]) -> None:
         _forward(d, wire.build_body(raw, payload, stable, marker_at, d.note, before,
                                     d.conv.has_metadata,
                                     {i: d.compacted[i] for i in d.plan.kept if i in d.compacted},
-                                    moved, _known_spans(d, rules), marker_ttl=ttl or "5m"))
+                                    moved, _known_spans(d, rules), marker_ttl=ttl or "5m",
+                                    tool=tool))
     elif d.conv.has_metadata:
         # gateway metadata is ours: upstreams never see it, whatever the mode
         _forward(d, wire.build_body(raw, payload, list(range(len(items))),
                                     spans=_known_spans(d, rules)))
+
+
+def _tool(rules: Rules, wire: Any) -> bytes:
+    """The retrieval tool's definition for this wire, made once per config."""
+    hit: bytes | None = rules.memo.get(("retrieve_tool", wire.name))
+    if hit is None:
+        hit = tool_def(wire, rules.memory.retrieve)
+        rules.remember(("retrieve_tool", wire.name), hit)
+    return hit
 
 
 def _known_spans(d: Decision, rules: Rules) -> list[Span] | None:
@@ -63,6 +76,7 @@ def _forward(d: Decision, body: bytes | None) -> None:
     d.skip_reason = "unscannable"
     d.plan, d.note, d.snapshot = None, None, None
     d.cache_marker_dropped = d.cache_marker_moved = False
+    d.retrieve, d.retrievable, d.hist_handle = None, {}, None
 
 
 def _end_of_stable_prefix(conv: Conversation, p: Plan) -> int | None:

@@ -52,6 +52,7 @@ class Entry:
     # the tool results of items[:start] and the tool names by call id there: where the
     # next request's scan for compactable results resumes (tool_results)
     tools: tuple[tuple[ToolResult, ...], dict[Any, str]] | None = None
+    retrieve: bool = False  # the request carried the retrieval tool: so do the next ones
 
 
 @dataclass(frozen=True, slots=True)

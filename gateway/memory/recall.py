@@ -66,6 +66,22 @@ class GuardedStore:
         return found + [(r, 0.0) for r in queued if r.memory_id not in ids]
 
 
+    async def get(self, tenant: str, memory_id: str,
+                  queued: Callable[[], list[Record]] | None = None) -> Record | None:
+        """One record of the tenant by id (a queued one first: `queued` gives them),
+        None when there is none or the store failed."""
+        for r in queued() if queued is not None else ():
+            if r.tenant == tenant and r.memory_id == memory_id:
+                return r
+        try:
+            store = await self.health.call("open", self.open_store, OPEN_TIMEOUT_S)
+            return await self.health.call(
+                "get", functools.partial(store.get, tenant, memory_id), RECALL_TIMEOUT_S)
+        except BackendDown:
+            self.failed = True
+            return None
+
+
 @dataclass(frozen=True, slots=True)
 class TurnText:
     turn: int

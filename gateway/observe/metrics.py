@@ -138,6 +138,13 @@ class Metrics:
                                 "Changed bodies the upstream refused, resent as the client "
                                 "sent them, by route and the refusal's status",
                                 ["route", "status"], registry=r)
+        self.retrieve = Counter("memgate_retrieve_rounds_total",
+                                "Upstream rounds memgate asked after answering its retrieval "
+                                "tool, by route and result (ok, failed)",
+                                ["route", "result"], registry=r)
+        self.retrieve_tokens = Counter("memgate_retrieve_tokens",
+                                       "Tokens the retrieval rounds cost, by route and kind "
+                                       "(input, output)", ["route", "kind"], registry=r)
         self.usage = Counter("memgate_usage_tokens",
                              "Tokens the provider reported in its answers' usage, by route, "
                              "model (the models file's matching `match` glob, else other) "
@@ -212,6 +219,13 @@ class Metrics:
         r.bytes_relayed.inc(info.bytes_out)
         if info.first_status:  # statuses: REFUSALS only
             self.fallback.labels(route, str(info.first_status)).inc()
+        if info.retrieve_rounds:
+            failed = info.retrieve_error is not None
+            self.retrieve.labels(route, "ok").inc(info.retrieve_rounds - failed)
+            if failed:
+                self.retrieve.labels(route, "failed").inc()
+            self.retrieve_tokens.labels(route, "input").inc(info.retrieve_in)
+            self.retrieve_tokens.labels(route, "output").inc(info.retrieve_out)
         if d is None:
             return
         if d.skip_reason is not None:

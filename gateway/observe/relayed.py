@@ -29,6 +29,13 @@ class Relayed:
     # the caller's tenant (None: no usable credential), for observers that keep per-session
     # state: a session id two tenants share is two sessions
     tenant: str | None = None
+    # memory.retrieve: the rounds memgate asked the upstream again after answering its
+    # retrieval tool, their time and own tokens, and why a round failed (None: none did)
+    retrieve_rounds: int = 0
+    retrieve_ms: float = 0.0
+    retrieve_in: int = 0
+    retrieve_out: int = 0
+    retrieve_error: str | None = None
 
     def client_left(self) -> None:
         """The client hung up: a stream it was sent to its terminal event is complete

@@ -59,16 +59,18 @@ def archive_id(tenant: str, text: str) -> str:
 
 
 _MISS = object()
-_MEMO: OrderedDict[tuple[str, CompactRules, str | None], str | None] = OrderedDict()
+_MEMO: OrderedDict[tuple[str, CompactRules, str | None, str | None], str | None] = OrderedDict()
 _MEMO_LIMIT = 8_000_000  # characters of the results whose compacted forms are remembered
 _memo_chars = 0
 _memo_lock = threading.Lock()
 
 
-def compact_text(text: str, rules: CompactRules, archived_as: str | None = None) -> str | None:
+def compact_text(text: str, rules: CompactRules, archived_as: str | None = None,
+                 tool: str | None = None) -> str | None:
     """The compacted form of a tool result's text, or None: left as it is (short,
     already compacted, or nothing to gain). `archived_as`: the id its original is
-    archived under, said in the marker (None: not archived).
+    archived under, said in the marker (None: not archived); with `tool` (memgate's
+    retrieval tool) it is the handle that tool takes, and the marker says so.
 
     A function of its arguments, so it is remembered (least recently used first out,
     up to _MEMO_LIMIT characters of results): every request of a session resends the
@@ -76,13 +78,13 @@ def compact_text(text: str, rules: CompactRules, archived_as: str | None = None)
     global _memo_chars
     if len(text) < rules.min_chars or MARK in text:
         return None
-    key = (text, rules, archived_as)
+    key = (text, rules, archived_as, tool)
     with _memo_lock:
         hit = _MEMO.get(key, _MISS)
         if hit is not _MISS:
             _MEMO.move_to_end(key)
             return hit  # type: ignore[return-value]
-    out = _compact_text(text, rules, archived_as)
+    out = _compact_text(text, rules, archived_as, tool)
     if len(text) <= _MEMO_LIMIT // 4:
         with _memo_lock:
             if key not in _MEMO:
@@ -108,7 +110,8 @@ def _trim_memo() -> None:
         _memo_chars -= len(old[0])
 
 
-def _compact_text(text: str, rules: CompactRules, archived_as: str | None) -> str | None:
+def _compact_text(text: str, rules: CompactRules, archived_as: str | None,
+                  tool: str | None = None) -> str | None:
     value = _json(text)
     if value is not None:
         ws = sum(map(text.count, " \n\t\r"))  # minifying removes at most these
@@ -126,7 +129,10 @@ def _compact_text(text: str, rules: CompactRules, archived_as: str | None) -> st
         body, what = _lines(text, rules)
     if len(body) >= len(text):
         return None
-    where = f"full result archived as {archived_as}" if archived_as else "not archived"
+    if tool and archived_as:
+        where = f"full result: call {tool} with handle \"{archived_as}\""
+    else:
+        where = f"full result archived as {archived_as}" if archived_as else "not archived"
     return (f"{body}\n{MARK}compacted tool result, {len(text):,} characters: {what}; "
             f"{len(text) - len(body):,} characters omitted; {where}]")
 

@@ -36,6 +36,7 @@ from gateway.proxy.accounting import Measured, account, measure
 from gateway.proxy.appstate import STATE, GatewayState
 from gateway.proxy.error_answers import error_response
 from gateway.proxy.intake import admit, read_body
+from gateway.proxy.retrieve_loop import Archived, relay_retrieving
 from gateway.proxy.session_record import OFFLOAD_CHARS, session_of
 from gateway.proxy.upstream import relay
 from gateway.wire.base import Wire
@@ -210,6 +211,9 @@ async def _relay_planned(f: _Flight, up: Upstream, d: Decision) -> web.StreamRes
         f.measure_at = asyncio.get_running_loop().call_later(MEASURE_AFTER_S, start_measuring)
 
     try:
+        if d.retrieve is not None:
+            return await relay_retrieving(f.request, f.state.pool, up, f.rules, d, f.info,
+                                          _fallback_body(f.rules, d), sent, _archive(f))
         return await relay(f.request, f.state.pool, up, d.forward, f.info,
                            f.span.upstream(f.request, up) if f.span else None,
                            credential_headers=f.rules.tenants.credential_headers,
@@ -222,6 +226,23 @@ async def _relay_planned(f: _Flight, up: Upstream, d: Decision) -> web.StreamRes
         if f.info.first_status and f.tenant is not None:  # before the accounting: the
             # session's next request may come while this one's line is still written
             f.state.refused.mark((f.tenant, f.session), f.rules.memory.fallback_backoff_s)
+
+
+def _archive(f: _Flight) -> Archived | None:
+    """The tenant's archive as the retrieval tool reads it: a record of this session,
+    by its id (None: no tenant, or no store)."""
+    memory, tenant, session = f.state.memory, f.tenant, f.session
+    if memory is None or tenant is None:
+        return None
+    store = GuardedStore(functools.partial(memory.get_store, f.rules.store),
+                         f.state.store_health)
+
+    async def archived(handle: str) -> str | None:
+        record = await store.get(tenant, handle, lambda: [
+            r for batch in memory.unwritten.values() for r in batch])
+        return record.text if record is not None and record.session_id == session else None
+
+    return archived
 
 
 async def _land(f: _Flight) -> None:

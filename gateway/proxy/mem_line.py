@@ -62,6 +62,10 @@ def mem_fields(
                  would_drop=len(p.dropped))
         if p.dropped:
             f["would_evict"] = p.evict
+    if d.retrieve is not None:  # the forwarded body carries the retrieval tool
+        f["retrieve"] = "tool"
+    elif d.retrieve_off is not None and p is not None and (p.dropped or d.compacted):
+        f["retrieve"] = d.retrieve_off  # cut, but the request may not carry the tool
     if d.bad_metadata is not None:
         f.update(metadata="invalid", metadata_reason=d.bad_metadata)
     if p is not None:
@@ -104,6 +108,12 @@ def log_mem(
         fields["stream"] = info.stream
     if info.first_status:
         fields.update(fallback="original", first_status=info.first_status)
+    if info.retrieve_rounds:  # rounds memgate asked after answering its retrieval tool
+        fields.update(retrieve_rounds=info.retrieve_rounds,
+                      retrieve_ms=round(info.retrieve_ms, 2),
+                      retrieve_in_tokens=info.retrieve_in, retrieve_out_tokens=info.retrieve_out)
+    if info.retrieve_error is not None:
+        fields["retrieve_error"] = info.retrieve_error
     state.log.info("mem", **fields)
     if d is not None:
         state.capture.offer(state.rules.capture, rid, lambda: capture_record(

@@ -262,11 +262,33 @@ async def relay(
     (into `info.usage`, whatever part of it arrived). `on_sent`: called once the body
     is with the transport (or, when it never gets there, once the request failed).
     """
+    headers = upstream_headers(request, up, credential_headers, extra_headers)
+    t0 = time.perf_counter()
+    up_resp = await send(request, pool, up, body, info, headers, original, on_sent)
+    info.upstream_ms = (time.perf_counter() - t0) * 1000
+    info.status = up_resp.status
+    return await pass_on(request, up_resp, info, stream_ends, usage_wire)
+
+
+def upstream_headers(request: web.Request, up: Upstream, credential_headers: tuple[str, ...],
+                     extra_headers: dict[str, str] | None = None) -> CIMultiDict[str]:
+    """The headers a request goes upstream with (`request_headers`, without the
+    Content-Encoding of a body read_body decoded, with `extra_headers`)."""
     headers = request_headers(request.headers, up, credential_headers)
     if request.get(DECODED):  # read_body decoded the body that goes
         headers.popall("Content-Encoding", None)
     if extra_headers:
         headers.update(extra_headers)
+    return headers
+
+
+async def send(
+    request: web.Request, pool: UpstreamPool, up: Upstream,
+    body: bytes | AsyncIterator[bytes] | None, info: Relayed, headers: CIMultiDict[str],
+    original: bytes | None = None, on_sent: Callable[[], None] | None = None,
+) -> aiohttp.ClientResponse:
+    """The upstream's response to `body` (its headers read; `original` resent once when
+    it refuses a changed body). Raises GatewayError when there is none."""
     data = SentBody(body, on_sent) if isinstance(body, bytes) else body
     t0 = time.perf_counter()
     try:
@@ -290,16 +312,27 @@ async def relay(
     if (original is not None and isinstance(body, bytes)
             and refuses(up_resp.status, up_resp.headers, body, original)):
         up_resp = await resend_original(pool, up, up_resp, headers, original, info)
-    info.upstream_ms = (time.perf_counter() - t0) * 1000
-    info.status = up_resp.status
+    return up_resp
+
+
+def answer_headers(up_resp: aiohttp.ClientResponse) -> web.StreamResponse:
+    """The client's response to `up_resp`: its status, reason and end-to-end headers."""
+    reason = up_resp.reason
+    resp = web.StreamResponse(status=up_resp.status,
+                              reason=as_written(reason) if reason else reason)
+    hop = hop_by_hop(up_resp.headers)
+    for k, v in up_resp.headers.items():
+        if k.lower() not in hop:
+            resp.headers.add(k, as_written(v))
+    return resp
+
+
+async def pass_on(request: web.Request, up_resp: aiohttp.ClientResponse, info: Relayed,
+                  stream_ends: tuple[bytes, ...] = (), usage_wire: str = "",
+                  ) -> web.StreamResponse:
+    """Stream the upstream's answer to the client as it arrives (see `relay`)."""
     async with up_resp:
-        reason = up_resp.reason
-        resp = web.StreamResponse(status=up_resp.status,
-                                  reason=as_written(reason) if reason else reason)
-        hop = hop_by_hop(up_resp.headers)
-        for k, v in up_resp.headers.items():
-            if k.lower() not in hop:
-                resp.headers.add(k, as_written(v))
+        resp = answer_headers(up_resp)
         if up_resp.content_length is not None:
             resp.content_length = up_resp.content_length
         try:

@@ -12,7 +12,17 @@ from gateway.measure.conversation import META_KEY, Conversation
 from gateway.measure.tokens import TokenCounter
 from gateway.policy.carry import ToolCall
 from gateway.policy.compact import ToolResult
-from gateway.wire.jsonbytes import Edit, Span, apply, cut, elements, members, value_span, ws
+from gateway.wire.jsonbytes import (
+    Edit,
+    Span,
+    append_edit,
+    apply,
+    cut,
+    elements,
+    members,
+    value_span,
+    ws,
+)
 
 __all__ = ["META_KEY", "Wire", "json_head", "json_text", "text_of"]
 
@@ -126,6 +136,7 @@ class Wire:
         marker_at: int | None = None, note: str | None = None, note_before: int | None = None,
         metadata: bool = True, texts: dict[int, list[tuple[Any, str]]] | None = None,
         moved: Sequence[int] = (), spans: list[Span] | None = None, marker_ttl: str = "5m",
+        tool: bytes | None = None,
     ) -> bytes | None:
         """The client's body `raw` (parsed: `payload`) with only the `kept` items
         (ascending), the gateway metadata cut out of them (`metadata`: any item may hold
@@ -136,7 +147,8 @@ class Wire:
         new string at a path inside them (a compacted tool result: only that value's
         bytes change). Made from the client's bytes: every other byte is the client's,
         a moved item's included. `spans`: where the items are in `raw`, when that is
-        known (then the body is not scanned for them).
+        known (then the body is not scanned for them). `tool`: a tool definition
+        appended to the body's tools (memgate's retrieval tool).
         None when the bytes cannot be read so (the caller forwards them unchanged)."""
         items = self.items(payload)
         if items is None:
@@ -144,17 +156,21 @@ class Wire:
         key = self.items_key
         try:
             if spans is not None:
-                return apply(raw, self._item_edits(raw, spans, items, kept, marker_at, note,
-                                                   note_before, metadata, texts, moved,
-                                                   marker_ttl))
+                edits = self._item_edits(raw, spans, items, kept, marker_at, note,
+                                         note_before, metadata, texts, moved, marker_ttl)
+                if tool is not None:
+                    edits.append(append_edit(raw, payload, "tools", tool, spans))
+                return apply(raw, edits)
             top = members(raw, ws(raw, 0), payload, listed=key)
             m = [m for m in top if m.name == key][-1]  # the one orjson read
             if m.items is not None:
-                return apply(raw, self._item_edits(raw, m.items, items, kept, marker_at,
-                                                   note, note_before, metadata, texts, moved,
-                                                   marker_ttl))
+                edits = self._item_edits(raw, m.items, items, kept, marker_at, note,
+                                         note_before, metadata, texts, moved, marker_ttl)
+                if tool is not None:
+                    edits.append(append_edit(raw, payload, "tools", tool, m.items))
+                return apply(raw, edits)
             listed = self.listed(raw[m.value : m.end])
-            if listed is None:
+            if listed is None or tool is not None:  # (a one-item history is never cut)
                 return None
             edits = self._item_edits(listed, elements(listed, 0, items), items, kept,
                                      marker_at, note, note_before, metadata, texts, moved,

@@ -257,3 +257,32 @@ def apply(b: bytes, edits: list[Edit]) -> bytes:
         pos = end
     out.append(view[pos:])
     return b"".join(out)
+
+
+def append_edit(raw: bytes, payload: dict[str, Any], name: str, value: bytes,
+                spans: Sequence[Span] | None = None) -> Edit:
+    """The edit of the object `raw` (parsed: `payload`) that appends `value` to its
+    top-level list `name` (or adds that list, holding it, first). `spans`: where the
+    elements of another top-level list are, when known (the history): the top level is
+    then read without scanning it. Raises ValueError when the bytes cannot be read so."""
+    start = ws(raw, 0)
+    if name not in payload:
+        return (start + 1, start + 1, b'"' + name.encode() + b'":[' + value + b"],")
+    view, shift, at = raw, 0, -1
+    if spans:  # the history list replaced by [] while the top level is read
+        at = raw.rfind(b"[", 0, spans[0][0])
+        end = raw.index(b"]", spans[-1][1]) + 1
+        view, shift = raw[:at] + b"[]" + raw[end:], end - at - 2
+    # the other lists' values not compared with their parse (the history's is not there)
+    values = {k: v for k, v in payload.items() if k == name or type(v) is not list}
+    found = [m for m in members(view, ws(view, 0), values) if m.name == name]
+    if not found:
+        raise ValueError(f"no member {name}")
+    m = found[-1]  # the one orjson read
+    close = m.end - 1
+    if view[close] != 0x5D:
+        raise ValueError(f"{name} is not a list")
+    empty = view[ws(view, m.value + 1)] == 0x5D
+    if at >= 0 and m.value > at:
+        close += shift
+    return (close, close, value if empty else b"," + value)

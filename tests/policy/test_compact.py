@@ -671,9 +671,10 @@ def test_compacted_forms_are_remembered_within_a_bound(monkeypatch: pytest.Monke
     calls: list[str] = []
     real = compact._compact_text
 
-    def counted(text: str, rules: CompactRules, archived_as: str | None) -> str | None:
+    def counted(text: str, rules: CompactRules, archived_as: str | None,
+                tool: str | None = None) -> str | None:
         calls.append(text)
-        return real(text, rules, archived_as)
+        return real(text, rules, archived_as, tool)
     monkeypatch.setattr(compact, "_compact_text", counted)
     texts = [json.dumps(rows(40 + k)) for k in range(12)]  # ~3,000-4,000 characters each
     first = [compact_text(t, R) for t in texts]

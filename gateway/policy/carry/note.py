@@ -14,7 +14,8 @@ _LEFT_OUT = "- ({n} more left out: max_note_chars)"
 
 
 def render_note(
-    snap: Snapshot | None, template: str, max_chars: int, recalled: list[str] | None = None
+    snap: Snapshot | None, template: str, max_chars: int, recalled: list[str] | None = None,
+    retrieve: str | None = None,
 ) -> str | None:
     """The compact note injected before the current turn, or None when there is nothing.
 
@@ -24,9 +25,10 @@ def render_note(
     files tool calls wrote and touched (in the order last named: those of the dropped
     turns before the current turn's, which the model still reads), then refs, tool
     results and unchosen candidates; what does not fit is left out, and a last line says
-    how many lines were."""
+    how many lines were. `retrieve`: the line naming the dropped turns' retrieval
+    handle, first of all."""
     f = snap.fields if snap is not None else {}
-    fixed = []
+    fixed = [retrieve] if retrieve else []
     if "task_state" in f:
         fixed.append(f"- task state: {f['task_state']}")
     if "output_file" in f:
