@@ -73,6 +73,13 @@ def _memory(m: Memory, carry_path: str | None) -> dict[str, Any]:
         },
         "markers": _fields(m.markers, "system_prefix", "min_score", "on_bad_metadata"),
         "context": {"prefixes": list(m.context_prefixes)},
+        "retrieve": {
+            "enabled": m.retrieve.enabled, "tool_name": m.retrieve.tool_name,
+            "description": m.retrieve.description, "max_rounds": m.retrieve.max_rounds,
+            "max_result_chars": m.retrieve.max_result_chars,
+            "current_min_chars": m.retrieve.current_min_chars,
+            "skip_models": list(m.retrieve.skip_models),
+        },
     }
     if carry_path is not None:  # no carry section: none printed (carry stays off)
         c = m.carry

@@ -33,7 +33,8 @@ SHOWN = ("turn", "hist_msgs", "hist_chars", "est_tokens", "budget_tokens", "fixe
          "compacted_saved_tokens", "over_budget", "cut", "prefix_tokens", "carried", "mode",
          "status", "upstream_ms", "overhead_ms", "req", "api", "stream", "fallback",
          "first_status", "usage_in", "usage_cached", "usage_out", "usage_cache_write",
-         "state", "reason", "archived", "media", "tokenizer")
+         "state", "reason", "archived", "media", "tokenizer", "retrieve", "retrieve_rounds",
+         "retrieve_ms", "retrieve_in_tokens", "retrieve_out_tokens", "retrieve_error")
 _SHOWN = frozenset(SHOWN)
 
 Segment = tuple[int, int, str]  # first message, count, kind
