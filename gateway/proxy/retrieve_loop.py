@@ -116,9 +116,10 @@ class Loop:
         return orjson.loads(body), resp
 
     def count(self, usage: dict[str, int] | None) -> None:
-        """A retrieval round's own tokens, for the [mem] line."""
+        """A retrieval round's own tokens, for the [mem] line (`input` counts the
+        cached prompt tokens already: usage.normalise)."""
         if usage:
-            self.info.retrieve_in += usage.get("input", 0) + usage.get("cached", 0)
+            self.info.retrieve_in += usage.get("input", 0)
             self.info.retrieve_out += usage.get("output", 0)
 
 
@@ -289,9 +290,17 @@ async def _streamed(loop: Loop, up_resp: aiohttp.ClientResponse) -> web.StreamRe
             merge.next_round()
             if not await pump(nxt, True):
                 info.retrieve_error = "broken_stream"
-                await out(merge.finish(end=True))
+                # what went of the round cannot be ended well-formed: an end only if
+                # none of it went (else cut, as an upstream that breaks off is)
+                ending = merge.finish(end=True)
+                if not ending:
+                    info.stream = "upstream_aborted"
+                await out(ending)
                 break
             rnd = merge.round_end()
+        else:
+            if whole:  # an upstream's last event without its blank line
+                await out(merge.finish())
         info.retrieve_rounds = loop.rounds
         if not info.ended and info.stream == "upstream_aborted":
             if request.transport is not None:  # cut for the client too, as in pass_on

@@ -199,7 +199,7 @@ class SseRounds:
         self.others = 0
         self.usage: dict[str, Any] | None = None
         self.ended = False  # this round's terminal event came
-        self._fed = False
+        self._shown = False  # some of this round reached the client
         self._start_round()
 
     def _start_round(self) -> None:
@@ -215,15 +215,14 @@ class SseRounds:
         raise NotImplementedError
 
     def feed(self, chunk: bytes) -> bytes:
-        if not chunk:
-            return b""
-        self._fed = True
         if not self._parsing:
             if not self._names_tool(chunk):
                 return self._relay(chunk)
             self._replay()
         self._buf += chunk
-        return b"".join([self._event(raw, *event_fields(raw)) for raw in take_events(self._buf)])
+        out = b"".join([self._event(raw, *event_fields(raw)) for raw in take_events(self._buf)])
+        self._shown = self._shown or bool(out)
+        return out
 
     def _names_tool(self, chunk: bytes) -> bool:
         """Does the tool's name show in `chunk`, or across its start?"""
@@ -239,7 +238,8 @@ class SseRounds:
             out = chunk
         else:
             buf += chunk
-            cut = max(buf.rfind(b"\n\n") + 2, buf.rfind(b"\r\n\r\n") + 4, 0)
+            lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
+            cut = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
             out = bytes(buf[:cut])
             del buf[:cut]
         if out and self._relayed is not None:
@@ -271,7 +271,7 @@ class SseRounds:
         self.others = 0
         self.usage = None
         self.ended = False
-        self._fed = False
+        self._shown = False
         self._start_round()
 
     def finish(self, end: bool = False) -> bytes:
@@ -281,9 +281,11 @@ class SseRounds:
         if not self._parsing:  # relayed unparsed: only an unended last event is left
             out, self._buf = bytes(self._buf), bytearray()
             return out
-        if self.held and (self.ended or not self._fed):
+        if self.held and (self.ended or not self._shown):
             return self._closing(end)
-        return b""  # a round broken off: the client's stream stays as broken as it
+        # a round broken off after some of it went out: an end made up now could close
+        # none of its open blocks or items well, so the client's stream stays as broken
+        return b""
 
     def all_usage(self) -> dict[str, Any] | None:
         """Every round's usage summed, this one's included."""
