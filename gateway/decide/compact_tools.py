@@ -81,12 +81,15 @@ def compact(d: Decision, rules: Rules, todo: dict[int, list[ToolResult]],
     # archive id when the store archives it, else one of the tenant and session)
     tool = rules.memory.retrieve.tool_name if d.handles_in is not None else None
     for i, results in todo.items():
-        rs = [_handles(r, archive_in, room, d.handles_in) for r in results]
-        item, key = items[i], (tuple((r.path, aid) for r, aid, _ in rs), tool)
+        # the ids the markers name are a function of these and the item's texts: hashed
+        # only when the item is compacted anew
+        item = items[i]
+        key = (tuple(r.path for r in results), archive_in, d.handles_in, tool, room)
         hit = done.get(id(item))
         if (hit is None or hit.item is not item or hit.key != key or hit.rules is not crules
                 or hit.counter is not d.counter):
-            hit = _compact_item(d, item, key, rs, crules, tool)
+            hit = _compact_item(d, item, key, [_handles(r, archive_in, room, d.handles_in)
+                                               for r in results], crules, tool)
         shared.items[id(item)] = hit
         if hit.subs:
             d.compacted[i] = list(hit.subs)
@@ -143,7 +146,9 @@ class _CompactedItem:
     counted again on every request."""
 
     item: Any
-    key: tuple[tuple[tuple[tuple[str | int, ...], str | None], ...], str | None]
+    # the results' paths, the archiving tenant, the handles' tenant and session, the
+    # retrieval tool's name, the store's record size: what the ids and markers depend on
+    key: tuple[Any, ...]
     rules: CompactRules
     counter: TokenCounter
     subs: tuple[tuple[tuple[str | int, ...], str], ...]  # (path, compacted text)
