@@ -3,6 +3,7 @@
 
     python tests/perf/soak.py [--seconds 60] [--clients 200]
     python tests/perf/soak.py --requests 100000 --sessions 10000   # memory bound
+    python tests/perf/soak.py --sustained --seconds 30 --linger 65  # RSS per third
 
 
 Starts a fast local upstream (JSON and SSE) and memgate with eviction on, runs
@@ -95,6 +96,36 @@ async def run(url: str, seconds: float, clients: int) -> tuple[int, int]:
     return ok, errors
 
 
+def upstream_sockets(port: int) -> int:
+    """Established TCP connections to the upstream's port (the gateway's pool)."""
+    rem = f":{port:04X}"
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            n += f[2].endswith(rem) and f[3] == "01"
+    return n
+
+
+async def sustained(url: str, seconds: float, clients: int, pid: int
+                    ) -> tuple[int, int, list[tuple[float, float]]]:
+    """One load of `seconds`, the gateway's RSS sampled every half second."""
+    samples: list[tuple[float, float]] = []
+
+    async def sample() -> None:
+        t0 = time.monotonic()
+        while True:
+            samples.append((time.monotonic() - t0, rss_mb(pid)))
+            await asyncio.sleep(0.5)
+
+    task = asyncio.ensure_future(sample())
+    try:
+        ok, errors = await run(url, seconds, clients)
+    finally:
+        task.cancel()
+    return ok, errors, samples
+
+
 async def spread(url: str, start: int, stop: int, sessions: int, clients: int
                  ) -> tuple[int, int]:
     """Requests start..stop of a run over `sessions` sessions, each a distinct history
@@ -125,6 +156,10 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--requests", type=int, default=0, help="memory-bound mode: requests")
     ap.add_argument("--sessions", type=int, default=10_000, help="... over this many sessions")
+    ap.add_argument("--sustained", action="store_true",
+                    help="one load of --seconds: RSS per third, upstream sockets after it")
+    ap.add_argument("--linger", type=float, default=0,
+                    help="with --sustained: then idle this long and count the sockets again")
     args = ap.parse_args()
     up = Proc([sys.executable, "-c", UPSTREAM, str(p := free_port())], p)
     port = free_port()
@@ -153,6 +188,24 @@ def main() -> None:
                 print(f"{done:>7} requests ({ok} ok, {errors} errors, "
                       f"{done / (time.monotonic() - t0):.0f} req/s): gateway RSS "
                       f"{rss_mb(gw.p.pid):.1f} MB, open fds {fds(gw.p.pid)}", flush=True)
+            return
+        if args.sustained:
+            ok, errors, samples = asyncio.run(sustained(url, args.seconds, args.clients,
+                                                        gw.p.pid))
+            thirds = [[r for t, r in samples if k * args.seconds / 3 <= t
+                       < (k + 1) * args.seconds / 3] for k in range(3)]
+            print(f"{args.clients} clients, {args.seconds:.0f} s: {ok} ok, {errors} errors")
+            for k, rs in enumerate(thirds):
+                if rs:
+                    print(f"third {k + 1}: RSS {rs[0]:.1f} -> {rs[-1]:.1f} MB "
+                          f"(max {max(rs):.1f}, growth {rs[-1] - rs[0]:+.1f})")
+            print(f"after: upstream sockets {upstream_sockets(up.port)}, "
+                  f"open fds {fds(gw.p.pid)}")
+            if args.linger:
+                time.sleep(args.linger)
+                print(f"after {args.linger:.0f} s idle: upstream sockets "
+                      f"{upstream_sockets(up.port)}, open fds {fds(gw.p.pid)}, "
+                      f"RSS {rss_mb(gw.p.pid):.1f} MB")
             return
         # two rounds: caches and the upstream keep-alive pool fill in the first; a leak
         # would keep growing in the second
