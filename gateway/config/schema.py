@@ -128,8 +128,9 @@ CONTEXT_PREFIXES = ("<system-reminder>", "<environment_context>", "<user_instruc
 RETRIEVE_DESCRIPTION = (
     "Returns content memgate left out of this conversation to fit its context budget: "
     "earlier turns and the full text of shortened tool results. Call it with the handle "
-    "a [memgate: ...] marker names when you need what was left out; a long result comes "
-    "in parts (call again with the offset it gives).")
+    "a [memgate: ...] marker names when you need what was left out, with a query to get "
+    "only the passages holding its words; a long result comes in parts (call again with "
+    "the offset it gives).")
 # models that take no tools: the retrieval tool is never added to their requests
 NO_TOOL_MODELS = ("o1-mini*", "o1-preview*", "chatgpt-4o-latest", "*-search-preview*",
                   "*-audio-preview*", "*-realtime-preview*", "gpt-3.5-turbo-instruct*")

@@ -96,6 +96,43 @@ def render(wire: Any, items: list[Any], indices: list[int]) -> str:
     return "\n\n".join(out)
 
 
+# characters either side of a query's match that come back with it
+AROUND = 300
+MAX_TERMS = 16
+
+
+def passages(text: str, query: str, around: int = AROUND) -> str:
+    """The passages of `text` that hold the query's words (case-insensitive): each match
+    with `around` characters either side, overlapping ones joined, in the text's order,
+    a line between them saying how much was skipped. No match: a line saying so."""
+    terms = list(dict.fromkeys(w for w in query.casefold().split() if w))[:MAX_TERMS]
+    low = text.casefold()
+    spans: list[tuple[int, int]] = []
+    for t in terms:
+        at = low.find(t)
+        while at >= 0:
+            spans.append((max(0, at - around), min(len(text), at + len(t) + around)))
+            at = low.find(t, at + len(t))
+    if not spans:
+        return f"[memgate: no passage holds {query!r}; call again without a query for all]"
+    spans.sort()
+    merged = [spans[0]]
+    for a, b in spans[1:]:
+        if a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    out, pos = [], 0
+    for a, b in merged:
+        if a > pos:
+            out.append(f"[memgate: {a - pos:,} characters skipped]")
+        out.append(text[a:b])
+        pos = b
+    if pos < len(text):
+        out.append(f"[memgate: {len(text) - pos:,} characters skipped]")
+    return "\n".join(out)
+
+
 def page(text: str, offset: int, limit: int, tool: str) -> str:
     """The part of `text` from `offset`, at most `limit` characters, and where the rest
     goes on."""

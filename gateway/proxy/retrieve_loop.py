@@ -32,7 +32,7 @@ from aiohttp import web
 
 from gateway.config.schema import Rules, Upstream
 from gateway.decide.decision import Decision
-from gateway.decide.retrieve import page, resolve
+from gateway.decide.retrieve import page, passages, resolve
 from gateway.errors import GatewayError
 from gateway.observe.relayed import Relayed
 from gateway.observe.usage import reader_for
@@ -85,6 +85,7 @@ class Loop:
         offset = args.get("offset", 0) if isinstance(args, dict) else 0
         if not isinstance(handle, str) or not handle:
             return f'[memgate: {self.tool} takes {{"handle": "<the handle a marker names>"}}]'
+        query = args.get("query") if isinstance(args, dict) else None
         if not isinstance(offset, int) or isinstance(offset, bool):
             offset = 0
         text = resolve(self.d, handle)
@@ -92,6 +93,8 @@ class Loop:
             text = await self.archived(handle)
         if text is None:
             return f"[memgate: nothing is kept under the handle {handle!r} in this conversation]"
+        if isinstance(query, str) and query.strip():
+            text = passages(text, query)
         return page(text, offset, self.rules.memory.retrieve.max_result_chars, self.tool)
 
     async def next_round(self, sent: dict[str, Any], rnd: Round

@@ -22,6 +22,8 @@ _SCHEMA = {
     "properties": {
         "handle": {"type": "string",
                    "description": "the handle a [memgate: ...] marker names"},
+        "query": {"type": "string",
+                  "description": "words to look for: only the passages holding them come back"},
         "offset": {"type": "integer",
                    "description": "where a long result goes on (the offset its last part gave)"},
     },

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from gateway.config.rules import build_rules
 from gateway.decide.chat import decide
 from gateway.decide.history import HistoryCache
-from gateway.decide.retrieve import page, resolve
+from gateway.decide.retrieve import page, passages, resolve
 from gateway.errors import RulesError
 from gateway.measure.tokens import Tokenizers
 from gateway.wire import WIRES
@@ -248,3 +248,14 @@ def test_forbids_reads_each_wires_tool_choice() -> None:
     assert forbids(resp, {"tool_choice": "auto"}, r, "gpt-4o") is None
     assert forbids(resp, {"tool_choice": {"type": "allowed_tools"}}, r, "gpt-4o") == "tool_choice"
     assert forbids(WIRES["chat"], {"n": 2}, r, "gpt-4o") == "n_choices"
+
+
+def test_a_query_gives_the_passages_that_hold_its_words() -> None:
+    text = "".join(f"row {i}: path /srv/f{i}.txt size {i * 37}\n" for i in range(400))
+    got = passages(text, "F17.TXT")
+    assert "/srv/f17.txt size 629" in got and "/srv/f300.txt" not in got
+    assert got.startswith("[memgate: ") and "characters skipped" in got
+    both = passages(text, "f17.txt f390.txt")
+    assert "size 629" in both and "size 14430" in both and len(both) < 2000
+    assert "no passage holds" in passages(text, "zebra")
+    assert passages("abc", "abc") == "abc"
