@@ -404,10 +404,11 @@ class Memgate:
         return self.proc.returncode
 
 
-def memgate_config(dest: Path, eviction: bool, max_tokens: int | None = None) -> Path:
+def memgate_config(dest: Path, eviction: bool, max_tokens: int | None = None,
+                   retrieve: bool = False) -> Path:
     """The shipped rules/gateway.yaml (and its companion files), with
-    `memory.enable_eviction` set as asked, and `memory.budget.max_tokens` when given;
-    nothing else changed."""
+    `memory.enable_eviction` set as asked, `memory.budget.max_tokens` when given, and
+    `memory.retrieve.enabled: true` with `retrieve`; nothing else changed."""
     dest.mkdir(parents=True, exist_ok=True)
     for f in SHIPPED_CONFIG.parent.glob("*.yaml"):
         shutil.copy(f, dest / f.name)
@@ -418,6 +419,9 @@ def memgate_config(dest: Path, eviction: bool, max_tokens: int | None = None) ->
     if max_tokens is not None:
         new, n = re.subn(r"(?m)^(    max_tokens: )\d+", rf"\g<1>{max_tokens}", new)
         assert n == 1, "rules/gateway.yaml: `    max_tokens: N` not found"
+    if retrieve:
+        new, n = re.subn(r"(?m)^(  retrieve:.*\n    enabled: )false\b", r"\g<1>true", new)
+        assert n == 1, "rules/gateway.yaml: `  retrieve:` + `    enabled: false` not found"
     (dest / "gateway.yaml").write_text(new, encoding="utf-8")
     return dest / "gateway.yaml"
 
@@ -552,9 +556,11 @@ class Session:
 
 
 async def run_session(client: str, binary: Path, workdir: Path, eviction: bool,
-                      trace: bool | None = None, max_tokens: int | None = None) -> Session:
+                      trace: bool | None = None, max_tokens: int | None = None,
+                      retrieve: bool = False) -> Session:
     """The client's two tasks (TASK1, then TASK2 continuing the same session) through a
-    fresh memgate and mock model; every process started here is stopped here."""
+    fresh memgate and mock model (memgate_config's settings); every process started here
+    is stopped here."""
     if trace is None:
         trace = strace_usable()
     project = write_project(workdir / "project")
@@ -566,8 +572,8 @@ async def run_session(client: str, binary: Path, workdir: Path, eviction: bool,
     await model.start()
     up_tap = Tap("upstream", int(model.url.rsplit(":", 1)[1]))
     await up_tap.start()
-    gate = Memgate(memgate_config(workdir / "rules", eviction, max_tokens), up_tap.url,
-                   workdir)
+    gate = Memgate(memgate_config(workdir / "rules", eviction, max_tokens, retrieve),
+                   up_tap.url, workdir)
     client_tap: Tap | None = None
     try:
         await gate.start()

@@ -10,6 +10,13 @@ tool's own input schema, and after the sixth tool result with a final text
 the request alone: the tool calls since the task's user message. Anything else (titles,
 summaries, quota checks, the start-up probes) gets a short plain answer.
 
+It uses memgate's retrieval tool (memory.retrieve) as a model would: a task's request that
+carries `memgate_retrieve` and names a handle (`handle "cmp-..."` / `handle "hist-..."`)
+is answered, once per session and task, with a call of that tool instead of the step; the
+next request (memgate's, the tool result appended) goes on with the step. The calls and
+the results they got are in `MockModel.retrievals`; the retrieval calls and their results
+count neither as steps nor as the task's tool outputs.
+
 It checks what the real APIs check of a conversation's shape (`anthropic_problems`,
 `responses_problems`: tool results paired with their calls, roles, reasoning placement)
 and answers a body that breaks a rule with the provider's own 400 shape, as the real
@@ -40,6 +47,8 @@ CLAUDE_MD_MARK = "CLAUDE-MD-MARK-2048"
 AGENTS_MD_MARK = "AGENTS-MD-MARK-5150"
 
 TASK_RE = re.compile(r"\bTASK([12])\b")
+RETRIEVE_TOOL = "memgate_retrieve"  # memory.retrieve.tool_name of the shipped config
+HANDLE_RE = re.compile(r'handle "((?:cmp|hist)-[0-9a-f]+)"')
 SHELL_TOOLS = ("Bash", "exec_command", "shell_command", "shell", "local_shell")
 BACKGROUND_TEXT = "Mock model: nothing to do here."
 
@@ -82,6 +91,7 @@ class Recorded:
     task: str | None = None
     round: int | None = None
     answer: str = ""  # a short description of what was answered
+    call_id: str | None = None  # the id of the tool call answered, if any
     refusal: str | None = None  # the 400's message when the body broke a provider rule
 
     def header(self, name: str) -> str | None:
@@ -90,6 +100,19 @@ class Recorded:
             if k.lower() == low:
                 return v
         return None
+
+
+@dataclass
+class Retrieval:
+    """One call of memgate's retrieval tool the mock made, and the result it got back."""
+
+    session: str  # the client's session id header ("" without one)
+    task: str
+    handle: str
+    call_id: str
+    seq: int  # the request answered with the call
+    result: str | None = None  # the tool result's text, once a request brought it
+    result_seq: int | None = None
 
 
 @dataclass
@@ -115,6 +138,28 @@ def _text_of(content: Any) -> str:
         parts = [content.get(k) for k in ("text", "output", "content", "input_text")]
         return "\n".join(_text_of(p) for p in parts if p is not None)
     return ""
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def named_handles(body: dict[str, Any]) -> list[str]:
+    """The retrieval handles the conversation names (markers, the carry note), in order;
+    the tool definitions are not read."""
+    out: list[str] = []
+    for key, value in body.items():
+        if key != "tools":
+            for text in _strings(value):
+                out += [h for h in HANDLE_RE.findall(text) if h not in out]
+    return out
 
 
 def _schema_props(schema: Any) -> dict[str, Any]:
@@ -178,11 +223,16 @@ def anthropic_step(body: dict[str, Any], cwd: str | None) -> tuple[str, Step, st
     if shell is None or task is None or start is None:
         return "background", Step(text=BACKGROUND_TEXT), None, 0
     after = messages[start + 1:]
-    rounds = sum(1 for m in after if m.get("role") == "assistant" and isinstance(
-        m.get("content"), list) and any(isinstance(b, dict) and b.get("type") == "tool_use"
-                                        for b in m["content"]))
+    ours = {b.get("id") for m in after for b in _blocks(m.get("content"))
+            if b.get("type") == "tool_use" and b.get("name") == RETRIEVE_TOOL}
+    rounds = sum(1 for m in after if m.get("role") == "assistant" and any(
+        b.get("type") == "tool_use" and b.get("id") not in ours
+        for b in _blocks(m.get("content"))))
     if rounds >= ROUNDS:
-        outputs = "\n".join(_text_of(m.get("content")) for m in after if m.get("role") == "user")
+        outputs = "\n".join(
+            _text_of([b for b in _blocks(m.get("content")) if b.get("tool_use_id") not in ours]
+                     if isinstance(m.get("content"), list) else m.get("content"))
+            for m in after if m.get("role") == "user")
         history = "\n".join(_text_of(m.get("content")) for m in messages[:start])
         return "agent", Step(text=final_answer(task, outputs, history)), task, rounds
     kind, arg = STEPS[task][rounds]
@@ -224,10 +274,13 @@ def responses_step(body: dict[str, Any], cwd: str | None) -> tuple[str, Step, st
         return "background", Step(text=BACKGROUND_TEXT), None, 0
     after = items[start + 1:]
     calls = ("function_call", "custom_tool_call", "local_shell_call")
-    rounds = sum(1 for i in after if i.get("type") in calls)
+    ours = {i.get("call_id") for i in after
+            if i.get("type") == "function_call" and i.get("name") == RETRIEVE_TOOL}
+    rounds = sum(1 for i in after if i.get("type") in calls and i.get("call_id") not in ours)
     if rounds >= ROUNDS:
         outputs = "\n".join(_text_of(i.get("output")) for i in after
-                            if str(i.get("type", "")).endswith("_output"))
+                            if str(i.get("type", "")).endswith("_output")
+                            and i.get("call_id") not in ours)
         history = "\n".join(_text_of(i.get("content")) for i in items[:start]
                             if i.get("type", "message") == "message")
         return "agent", Step(text=final_answer(task, outputs, history)), task, rounds
@@ -419,11 +472,14 @@ def responses_item(step: Step, iid: str, cid: str) -> dict[str, Any]:
 
 
 def responses_object(rid: str, model: str, status: str, output: list[dict[str, Any]],
-                     in_tokens: int) -> dict[str, Any]:
+                     in_tokens: int, request: dict[str, Any]) -> dict[str, Any]:
+    """A response object; like the real API's, it echoes the request's tools and
+    tool_choice (so a client sees the tools a gateway added)."""
     return {
         "id": rid, "object": "response", "created_at": int(time.time()), "status": status,
         "error": None, "incomplete_details": None, "model": model, "output": output,
-        "parallel_tool_calls": False, "tool_choice": "auto", "tools": [],
+        "parallel_tool_calls": False, "tool_choice": request.get("tool_choice", "auto"),
+        "tools": request.get("tools") or [],
         "usage": {"input_tokens": in_tokens, "output_tokens": 12,
                   "total_tokens": in_tokens + 12,
                   "input_tokens_details": {"cached_tokens": 0},
@@ -432,15 +488,15 @@ def responses_object(rid: str, model: str, status: str, output: list[dict[str, A
     }
 
 
-def responses_events(rid: str, model: str, item: dict[str, Any], in_tokens: int
-                     ) -> Iterator[bytes]:
+def responses_events(rid: str, model: str, item: dict[str, Any], in_tokens: int,
+                     request: dict[str, Any]) -> Iterator[bytes]:
     seq = itertools.count()
     yield _sse("response.created", {"type": "response.created", "sequence_number": next(seq),
                                     "response": responses_object(rid, model, "in_progress",
-                                                                 [], in_tokens)})
+                                                                 [], in_tokens, request)})
     yield _sse("response.in_progress", {
         "type": "response.in_progress", "sequence_number": next(seq),
-        "response": responses_object(rid, model, "in_progress", [], in_tokens)})
+        "response": responses_object(rid, model, "in_progress", [], in_tokens, request)})
     if item["type"] == "function_call":
         added = {**item, "arguments": "", "status": "in_progress"}
         yield _sse("response.output_item.added", {
@@ -480,7 +536,7 @@ def responses_events(rid: str, model: str, item: dict[str, Any], in_tokens: int
         "output_index": 0, "item": item})
     yield _sse("response.completed", {
         "type": "response.completed", "sequence_number": next(seq),
-        "response": responses_object(rid, model, "completed", [item], in_tokens)})
+        "response": responses_object(rid, model, "completed", [item], in_tokens, request)})
 
 
 # ---------------------------------------------------------------------------- the server
@@ -495,6 +551,7 @@ class MockModel:
         self.cwd = cwd
         self.models = models
         self.received: list[Recorded] = []
+        self.retrievals: list[Retrieval] = []
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -555,6 +612,41 @@ class MockModel:
     def chat_requests(self, api: str | None = None) -> list[Recorded]:
         return [r for r in self.received if r.api != "other" and (api is None or r.api == api)]
 
+    # ---- memgate's retrieval tool
+
+    def _answer(self, rec: Recorded, body: dict[str, Any], step: Step, call_id: str) -> Step:
+        """The step answered (`call_id`: the id a tool call gets), noted on `rec`."""
+        step = self._retrieve(rec, body, step, call_id)
+        rec.answer = f"tool:{step.tool}" if step.tool else f"text:{(step.text or '')[:60]}"
+        rec.call_id = call_id if step.tool else None
+        return step
+
+    def _retrieve(self, rec: Recorded, body: dict[str, Any], step: Step, call_id: str
+                  ) -> Step:
+        """Note the results of the mock's retrieval calls this request brings; then the
+        step, or, for a task's first request (per session) that carries the retrieval tool
+        and names a handle, a call of that tool (rec.role "retrieve")."""
+        items = body.get("messages", body.get("input"))
+        for item in items if isinstance(items, list) else []:
+            for part in [item, *_blocks(item.get("content"))] if isinstance(item, dict) else []:
+                if part.get("type") not in ("tool_result", "function_call_output"):
+                    continue
+                cid = part.get("tool_use_id", part.get("call_id"))
+                for r in self.retrievals:
+                    if r.call_id == cid and r.result is None:
+                        r.result = _text_of(part.get("content", part.get("output")))
+                        r.result_seq = rec.seq
+        session = rec.header("X-Claude-Code-Session-Id") or rec.header("session-id") or ""
+        done = {(r.session, r.task) for r in self.retrievals}
+        handles = named_handles(body)
+        tools = {t.get("name") for t in body.get("tools") or [] if isinstance(t, dict)}
+        if (rec.role != "agent" or rec.task is None or RETRIEVE_TOOL not in tools
+                or not handles or (session, rec.task) in done):
+            return step
+        self.retrievals.append(Retrieval(session, rec.task, handles[0], call_id, rec.seq))
+        rec.role = "retrieve"
+        return Step(tool=RETRIEVE_TOOL, args={"handle": handles[0]})
+
     # ---- handlers
 
     async def anything(self, request: web.Request) -> web.StreamResponse:
@@ -589,8 +681,8 @@ class MockModel:
             return refused
         body = rec.body if isinstance(rec.body, dict) else {}
         rec.role, step, rec.task, rec.round = anthropic_step(body, self.cwd)
-        rec.answer = f"tool:{step.tool}" if step.tool else f"text:{(step.text or '')[:60]}"
         n = next(self._ids)
+        step = self._answer(rec, body, step, f"toolu_mock{n:04d}")
         msg = anthropic_message(step, str(body.get("model", "mock-model")), f"msg_mock{n:04d}",
                                 f"toolu_mock{n:04d}", max(1, len(rec.raw) // 4))
         if not body.get("stream"):
@@ -611,8 +703,8 @@ class MockModel:
             return refused
         body = rec.body if isinstance(rec.body, dict) else {}
         rec.role, step, rec.task, rec.round = responses_step(body, self.cwd)
-        rec.answer = f"tool:{step.tool}" if step.tool else f"text:{(step.text or '')[:60]}"
         n = next(self._ids)
+        step = self._answer(rec, body, step, f"call_mock{n:04d}")
         model = str(body.get("model", "mock-model"))
         item = responses_item(step, f"{'fc' if step.tool else 'msg'}_mock{n:04d}",
                               f"call_mock{n:04d}")
@@ -620,11 +712,11 @@ class MockModel:
         in_tokens = max(1, len(rec.raw) // 4)
         if not body.get("stream"):
             return web.json_response(responses_object(rid, model, "completed", [item],
-                                                      in_tokens))
+                                                      in_tokens, body))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        for ev in responses_events(rid, model, item, in_tokens):
+        for ev in responses_events(rid, model, item, in_tokens, body):
             await resp.write(ev)
             await asyncio.sleep(0)
         await resp.write_eof()

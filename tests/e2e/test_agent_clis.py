@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +29,7 @@ from tests.e2e.harness import (
     TASK2_DONE,
     Launch,
     Session,
+    WireRequest,
     foreign_in_trace,
     mem_fields,
     run_client,
@@ -33,7 +37,8 @@ from tests.e2e.harness import (
     run_session,
     strace_usable,
 )
-from tests.e2e.report import byte_differences, format_report, is_chat, report
+from tests.e2e.mock_model import RETRIEVE_TOOL
+from tests.e2e.report import byte_differences, format_report, is_chat, pair, report
 
 pytestmark = pytest.mark.slow
 
@@ -195,6 +200,116 @@ async def test_a_tight_budget_cuts_history_not_the_agents_context(
     events = [mem_fields(ln) for ln in s.mem_lines]
     assert all(ev["status"] == "200" for ev in events), explain(s)
     assert_provider_accepted(s)
+
+
+def _items(req: WireRequest) -> list[dict[str, Any]]:
+    body = req.json()
+    items = body.get("messages", body.get("input")) if isinstance(body, dict) else None
+    return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
+
+
+def _parts(items: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Items and their content blocks (Anthropic's tool_use / tool_result are blocks)."""
+    for item in items:
+        yield item
+        content = item.get("content")
+        yield from (b for b in content if isinstance(b, dict)) if isinstance(content,
+                                                                            list) else ()
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "\n".join(_text(c) for c in content)
+    if isinstance(content, dict):
+        return _text(content.get("text", ""))
+    return content if isinstance(content, str) else ""
+
+
+def tool_outputs(items: list[dict[str, Any]]) -> list[str]:
+    """The tool results' texts (tool_result blocks, Responses *_output items)."""
+    return [_text(p.get("content") if p.get("type") == "tool_result" else p.get("output"))
+            for p in _parts(items)
+            if p.get("type") == "tool_result" or str(p.get("type")).endswith("_output")]
+
+
+def call_ids(items: list[dict[str, Any]]) -> list[str]:
+    """The ids of the tool calls (tool_use blocks, Responses *_call items)."""
+    return [str(p.get("id") if p.get("type") == "tool_use" else p.get("call_id"))
+            for p in _parts(items)
+            if p.get("type") == "tool_use" or str(p.get("type")).endswith("_call")]
+
+
+def result_ids(items: list[dict[str, Any]]) -> list[str]:
+    """The call ids the tool results answer."""
+    return [str(p.get("tool_use_id") if p.get("type") == "tool_result" else p.get("call_id"))
+            for p in _parts(items)
+            if p.get("type") == "tool_result" or str(p.get("type")).endswith("_output")]
+
+
+@pytest.mark.parametrize("client", CLIENT_NAMES)
+async def test_the_model_retrieves_what_the_cut_left_out(
+    client: str, agent_clients: dict[str, Path], tmp_path: Path
+) -> None:
+    """Eviction on, the 300-token budget, memory.retrieve on, and a model that uses the
+    tool: at the first request of a task that names a handle it calls memgate_retrieve,
+    gets back what the cut left out, and goes on. Both tasks complete as with eviction on,
+    the provider accepts every body, [mem] shows the rounds and no error, and the client
+    never sees the retrieval: its next request holds only its own call and result."""
+    t0 = time.perf_counter()
+    s = await run_session(client, agent_clients[client], tmp_path, eviction=True,
+                          max_tokens=300, retrieve=True)
+    seconds = time.perf_counter() - t0
+    print(format_report(s))
+    why = explain(s)
+    assert_completed(s)
+    assert_every_step_played(s)
+    events = [mem_fields(ln) for ln in s.mem_lines]
+    chat = [r for r in s.sent if is_chat(r)]
+    assert len(events) == len(chat), why
+    assert all(ev["mode"] == "on" and ev["status"] == "200" for ev in events), why
+    assert_provider_accepted(s)
+    assert_agent_kept_its_task(s, whole=False)
+    assert [ev for ev in events if "retrieve_error" in ev] == [], why
+    rounds = [int(ev.get("retrieve_rounds", "0")) for ev in events]
+    assert max(rounds) >= 1, why
+    assert all(ev.get("retrieve") == "tool" for ev in events if "retrieve_rounds" in ev), why
+
+    assert s.model is not None
+    received, retrievals = s.model.received, s.model.retrievals
+    assert retrievals, why
+    forwarded = [r for r in s.forwarded if is_chat(r)]
+    asked_for = {id(f): c for c, f in pair(chat, forwarded) if f is not None}
+    for r in retrievals:
+        # memgate answered the call, and the model went on with the step it was at
+        assert r.result is not None and r.result_seq is not None, (r, why)
+        went_on = received[r.result_seq]
+        assert (went_on.role, went_on.task, went_on.round) == (
+            "agent", r.task, received[r.seq].round), (r, why)
+        assert not r.result.startswith("[memgate:"), (r.result, why)  # e.g. nothing is kept
+        # what the handle names, as the client sent it: the compacted result whole, or
+        # every tool result of the request that memgate did not forward
+        fwd = next(f for f in forwarded if f.body == received[r.seq].raw)
+        asked = asked_for[id(fwd)]
+        if r.handle.startswith("cmp-"):
+            assert r.result in tool_outputs(_items(asked)), (r, why)
+        else:
+            kept = tool_outputs(_items(fwd))
+            left_out = [o for o in tool_outputs(_items(asked)) if o.strip() and o not in kept]
+            assert left_out, (r, why)
+            assert [o for o in left_out if o.strip() not in r.result] == [], (r.result, why)
+        # the client's next request: its own call (the step memgate's round 2 answered)
+        # and its result appended, nothing of the retrieval
+        nxt = chat[chat.index(asked) + 1]
+        new = _items(nxt)[len(_items(asked)):]
+        assert call_ids(new) == result_ids(new) == [went_on.call_id], (new, why)
+    for req in s.sent:
+        assert RETRIEVE_TOOL.encode() not in req.body, why
+        assert not any(r.call_id.encode() in req.body for r in retrievals), why
+    print(f"{client}: {len(chat)} client requests, {len(forwarded)} at the mock, "
+          f"{sum(rounds)} retrieval rounds ({len([n for n in rounds if n])} requests), "
+          f"retrieve_ms {sum(float(ev.get('retrieve_ms', 0)) for ev in events):.1f}, "
+          f"runs {' + '.join(f'{run.seconds:.1f}s' for run in s.runs)}, "
+          f"session {seconds:.1f}s")
 
 
 # the header each client names its session by (the shadow test checks every request has it)
