@@ -255,7 +255,12 @@ def _plan(d: Decision, rules: Rules, items: list[Any], recalled: list[str] | Non
         # stable part alone leaves too little)
         assert d.note is not None
         narrower = minus_note(prules, d)
-        if not _fits(d.plan, narrower.limits):
+        # with the retrieval tool and no fill, a cut always brings the note (its line
+        # names the dropped turns' handle): the cut is made under the budget less the
+        # note every time, not only when the slack happens to be too small, which would
+        # move a stepped cut back and forth (a prompt-cache miss each time)
+        always = d.handles_in is not None and not prules.recall_share
+        if always or not _fits(d.plan, narrower.limits):
             d.plan = plan(d.conv, narrower, d.planned_tokens, overhead_tokens=overhead,
                           tokens_key=counted_by, text_of=text_of, cuttable=todo)
     if (
