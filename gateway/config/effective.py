@@ -77,7 +77,7 @@ def _memory(m: Memory, carry_path: str | None) -> dict[str, Any]:
             "enabled": m.retrieve.enabled, "tool_name": m.retrieve.tool_name,
             "description": m.retrieve.description, "max_rounds": m.retrieve.max_rounds,
             "max_result_chars": m.retrieve.max_result_chars,
-            "current_min_chars": m.retrieve.current_min_chars,
+            "excerpt_min_chars": m.retrieve.excerpt_min_chars,
             "skip_models": list(m.retrieve.skip_models),
         },
     }

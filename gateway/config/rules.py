@@ -74,7 +74,7 @@ SECTIONS: dict[str, frozenset[str]] = {
                          "retrieve"}),
     "memory.context": frozenset({"prefixes"}),
     "memory.retrieve": frozenset({"enabled", "tool_name", "description", "max_rounds",
-                                  "max_result_chars", "current_min_chars", "skip_models"}),
+                                  "max_result_chars", "excerpt_min_chars", "skip_models"}),
     "memory.budget": frozenset({"max_tokens", "max_chars", "max_messages", "max_turns",
                                 "safety_ratio", "reserve_output_tokens"}),
     "memory.eviction": frozenset({"order", "keep_pinned", "max_pinned", "drop_unit",
@@ -145,8 +145,8 @@ def _parse_retrieve(r: Reader, data: Any) -> RetrieveRules:
         max_rounds=r.get(s, k, "max_rounds", check_int(1, 10), d.max_rounds),
         max_result_chars=r.get(s, k, "max_result_chars", check_int(500, 200_000),
                                d.max_result_chars),
-        current_min_chars=r.get(s, k, "current_min_chars", check_int(2000, nullable=True),
-                                d.current_min_chars),
+        excerpt_min_chars=r.get(s, k, "excerpt_min_chars", check_int(2000, nullable=True),
+                                d.excerpt_min_chars),
         skip_models=r.get(s, k, "skip_models", check_str_list, d.skip_models),
     )
 

@@ -147,7 +147,7 @@ class RetrieveRules:
     max_result_chars: int = 8000  # of one tool result memgate answers (the rest: offset)
     # results of the current turn at least this long are excerpted too (head and tail,
     # with a handle); None: the current turn's results stay whole
-    current_min_chars: int | None = None
+    excerpt_min_chars: int | None = None
     skip_models: tuple[str, ...] = NO_TOOL_MODELS
 
     def takes_tools(self, model: str | None) -> bool:

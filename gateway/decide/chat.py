@@ -19,7 +19,7 @@ import orjson
 
 from gateway.config.schema import Rules
 from gateway.decide.carry_note import carry_note, minus_note, note_room
-from gateway.decide.compact_tools import compact, compactable
+from gateway.decide.compact_tools import compact, compactable, excerpted, results_of
 from gateway.decide.decision import Decision
 from gateway.decide.forward_body import build_forward
 from gateway.decide.history import HistoryCache
@@ -217,8 +217,17 @@ def _plan(d: Decision, rules: Rules, items: list[Any], recalled: list[str] | Non
     exact = _exact_tokens(d, rules, prules.limits.max_tokens, overhead, bound)
     if exact is not None:
         bound = min(bound, exact)
-    todo, spare = (compactable(d, rules) if "compact_tools" in rules.memory.eviction.order
-                   and not fits_unplanned(d.conv, prules.limits, bound) else ({}, {}))
+    cutting = ("compact_tools" in rules.memory.eviction.order
+               and not fits_unplanned(d.conv, prules.limits, bound))
+    least = rules.memory.retrieve.excerpt_min_chars
+    # (a result that long is an item with that much text: no scan for results without)
+    excerpts = (d.handles_in is not None and least is not None
+                and max(d.conv.text_chars, default=0) >= least)
+    results = results_of(d, rules) if cutting or excerpts else []
+    todo, spare = compactable(d, rules, results) if cutting else ({}, {})
+    big = excerpted(d, rules, results)  # memory.retrieve: excerpted whatever the cut
+    for i, rs in big.items():
+        todo[i] = todo.get(i, []) + [r for r in rs if r not in todo.get(i, ())]
     # with tool results to compact, this plan only tells whether the history is cut
     # (the stages under the whole budget): it is planned again either way, so the
     # stable part's second pass and the fill are not run for it
@@ -246,6 +255,9 @@ def _plan(d: Decision, rules: Rules, items: list[Any], recalled: list[str] | Non
             spare = {}
             d.conv, d.compacted, d.compact_tokens, d.archived = client_conv, {}, {}, {}
             d.retrievable = {}
+    elif big and compact(d, rules, big, archive_in):  # nothing to cut: the big ones only
+        d.plan = plan(d.conv, prules, d.planned_tokens, overhead_tokens=overhead,
+                      tokens_key=counted_by, text_of=text_of, reserve=room, cuttable=big)
     if d.noted and not d.plan.dropped:  # the fill brought back all the stages dropped
         d.noted, d.note, d.snapshot, d.recalled = False, None, None, []
     if d.mode == "on" and (d.plan.dropped or recalled) and (

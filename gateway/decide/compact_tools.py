@@ -21,10 +21,16 @@ from gateway.measure.tokens import TokenCounter
 from gateway.policy.compact import MARK, ToolResult, archive_id, compact_text, eligible, with_text
 
 
-def compactable(d: Decision, rules: Rules
+def results_of(d: Decision, rules: Rules) -> list[ToolResult]:
+    """The request's tool results (the scan resumed along the session)."""
+    return tool_results(d.view, d.wire, d.messages, rules.shortcuts_off)
+
+
+def compactable(d: Decision, rules: Rules, results: list[ToolResult]
                 ) -> tuple[dict[int, list[ToolResult]], dict[int, list[ToolResult]]]:
     """The tool results compact_tools may shorten, per item; and those only keep_recent
-    holds whole (the model has answered them), which may be if whole they cannot fit."""
+    holds whole (the model has answered them), which may be if whole they cannot fit.
+    `results`: results_of the request."""
     conv = d.conv
     assert conv is not None
     crules = rules.memory.eviction.compact
@@ -35,24 +41,37 @@ def compactable(d: Decision, rules: Rules
     unread = next((i + 1 for i in range(len(items) - 1, -1, -1)
                    if role(items[i]) == "assistant"), 0)
     unread = max(unread, current_turn_start(conv) or 0)
-    results = tool_results(d.view, d.wire, items, rules.shortcuts_off)  # resumed per session
     todo: dict[int, list[ToolResult]] = {}
     for r in eligible(results, crules, pins, unread):
         todo.setdefault(r.index, []).append(r)
-    big = rules.memory.retrieve.current_min_chars
-    if d.handles_in is not None and big is not None:
-        # memory.retrieve: a long result the model has not read yet is excerpted too,
-        # its handle in the marker (one the model needs whole is a retrieval away)
-        for r in results:
-            if (r.index >= unread and r.index not in pins and len(r.text) >= big
-                    and (r.tool is None or r.tool not in crules.exclude_tools)):
-                todo.setdefault(r.index, []).append(r)
     spare: dict[int, list[ToolResult]] = {}
     if crules.keep_recent:
         for r in eligible(results[-crules.keep_recent:], replace(crules, keep_recent=0),
                           pins, unread):
             spare.setdefault(r.index, []).append(r)
     return todo, spare
+
+
+def excerpted(d: Decision, rules: Rules, results: list[ToolResult]
+              ) -> dict[int, list[ToolResult]]:
+    """memory.retrieve.excerpt_min_chars: every tool result at least that long (not
+    pinned, not of an excluded tool), read or not, cut or not, per item: excerpted on
+    every request from the first that carries it, its handle in the marker, so that its
+    bytes stay the same along the session (a prompt cache keeps them) and the model
+    reads the whole of it only when it asks. Empty when the request may not carry the
+    retrieval tool. `results`: results_of the request."""
+    least = rules.memory.retrieve.excerpt_min_chars
+    conv = d.conv
+    if d.handles_in is None or least is None or conv is None:
+        return {}
+    excluded = rules.memory.eviction.compact.exclude_tools
+    pins = frozenset(i for g in conv.pinned_groups for i, _ in conv.groups[g].pins)
+    out: dict[int, list[ToolResult]] = {}
+    for r in results:
+        if (len(r.text) >= least and r.index not in pins
+                and (r.tool is None or r.tool not in excluded)):
+            out.setdefault(r.index, []).append(r)
+    return out
 
 
 def compact(d: Decision, rules: Rules, todo: dict[int, list[ToolResult]],

@@ -63,6 +63,7 @@ class Decision:
     retrieve: str | None = None
     retrievable: dict[str, str] = field(default_factory=dict)  # cmp- handle -> original
     hist_handle: str | None = None  # the dropped turns' handle, when the note names it
+    tool_tokens: int = 0  # the retrieval tool's definition, counted with the tool schemas
 
     @property
     def messages(self) -> list[Any]:
@@ -96,7 +97,7 @@ class Decision:
     def overhead_tokens(self) -> int:
         if self._overhead is None:
             self._overhead = (self.wire.overhead_tokens(self.payload, self.counter)
-                              if isinstance(self.payload, dict) else 0)
+                              + self.tool_tokens if isinstance(self.payload, dict) else 0)
         return self._overhead
 
     def note_cost(self) -> tuple[int, int, int]:
@@ -126,7 +127,7 @@ class Decision:
                        snapshot=None, recalled=[], compacted={}, compact_tokens={},
                        compact_chars={}, archived={}, cache_marker_dropped=False,
                        cache_marker_moved=False, retrieve=None, retrievable={},
-                       hist_handle=None)
+                       hist_handle=None, tool_tokens=0, _overhead=None)
 
     def kept_tokens(self) -> int:
         """Estimated tokens of the request with only the plan's kept messages (and the

@@ -77,6 +77,7 @@ def _forward(d: Decision, body: bytes | None) -> None:
     d.plan, d.note, d.snapshot = None, None, None
     d.cache_marker_dropped = d.cache_marker_moved = False
     d.retrieve, d.retrievable, d.hist_handle = None, {}, None
+    d.tool_tokens, d._overhead = 0, None
 
 
 def _end_of_stable_prefix(conv: Conversation, p: Plan) -> int | None:

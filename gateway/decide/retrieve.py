@@ -6,8 +6,9 @@ When a cut leaves something out and the request may carry the tool (`wire.retrie
 handle of the turns the cut dropped. `resolve` answers a handle from the request in hand
 (the client resends its history, so what was cut is here); a handle this request did not
 make is not answered here (the caller may look in the tenant's and session's archive).
-Once a session's request carried the tool, its later requests carry it too, cut or not,
-so that the cached prefix changes once. No I/O, no logging.
+A request with tools of its own carries the tool from a session's first request; a chat
+without tools from its first cut on, and then every later request of the session, so that
+the cached prefix changes at most once. No I/O, no logging.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from gateway.config.schema import Rules
 from gateway.decide.decision import Decision
-from gateway.wire.retrieve_tool import forbids
+from gateway.wire.retrieve_tool import forbids, tool_def
 
 
 def may_retrieve(d: Decision, rules: Rules, key: tuple[str, str] | None) -> bool:
@@ -31,17 +32,34 @@ def may_retrieve(d: Decision, rules: Rules, key: tuple[str, str] | None) -> bool
         d.retrieve_off = why
         return False
     d.handles_in = "\0".join(key) if key is not None else ""
+    # counted with the tool schemas whenever it may come (an agent's requests carry it
+    # from the first; a cut one always): the floor and est_sent_tokens hold it
+    d.tool_tokens, d._overhead = _tool_tokens(d, rules), None
     return True
+
+
+def _tool_tokens(d: Decision, rules: Rules) -> int:
+    key = ("retrieve_tokens", d.wire.name, d.counter)
+    hit: int | None = rules.memo.get(key)
+    if hit is None:
+        # as the wires count a tool list: its JSON (alone, or a client's list grown by it)
+        hit = d.counter.count(f"[{tool_def(d.wire, rules.memory.retrieve).decode()}]")
+        rules.remember(key, hit)
+    return hit
 
 
 def carries_tool(d: Decision) -> bool:
     """Does the forwarded request carry the tool? When it may and something is left
-    out, or the session's earlier request carried it (remembered on its entry)."""
+    out, when the client sends tools of its own, or when the session's earlier request
+    carried it (remembered on its entry)."""
     if d.handles_in is None or d.plan is None:
         return False
     prev = d.view.prev if d.view is not None else None
     cut = bool(d.plan.dropped) or bool(d.compacted)
-    on = cut or bool(prev is not None and prev.retrieve)
+    # a request with tools of its own (an agent's) carries it from the session's first
+    # request: added later it would change the cached prefix from the tools on
+    agent = isinstance(d.payload, dict) and bool(d.payload.get("tools"))
+    on = cut or agent or bool(prev is not None and prev.retrieve)
     if on and d.view is not None and d.view.entry is not None:
         d.view.entry.retrieve = True
     return on

@@ -93,7 +93,7 @@ def test_a_cut_agent_chat_carries_the_tool_and_every_handle_gives_its_original()
 def test_retrieve_off_is_byte_identical_to_no_section() -> None:
     body = agent_chat()
     base = run(body, rules_with(None))
-    off = run(body, rules_with({"enabled": False, "current_min_chars": 2000}))
+    off = run(body, rules_with({"enabled": False, "excerpt_min_chars": 2000}))
     assert off.forward == base.forward and off.retrieve is None
     assert TOOL not in off.forward.decode()
 
@@ -142,20 +142,31 @@ def test_the_tool_stays_on_a_session_once_it_came() -> None:
     assert d2.retrieve == TOOL
 
 
-def test_current_turn_results_are_excerpted_only_when_asked() -> None:
+def test_big_results_are_excerpted_on_every_request_in_the_same_bytes() -> None:
+    """excerpt_min_chars: a big result is excerpted from the first request on, cut or
+    not, read or not, and reads the same on the session's later requests (the cached
+    prefix holds); without it, a history that fits goes whole."""
     body = agent_chat(turns=1)
     body["messages"][-1:] = [
         {"role": "user", "content": "list /srv/big"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "cb", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "cb", "content": rows("big", 400)}]
-    whole = run(body, rules_with({"enabled": True}))
+    whole = run(body, rules_with({"enabled": True}, budget=50_000))
     assert rows("big", 400) in orjson.loads(whole.forward)["messages"][-1]["content"]
-    cut = run(body, rules_with({"enabled": True, "current_min_chars": 5000}))
-    last = orjson.loads(cut.forward)["messages"][-1]["content"]
-    assert len(last) < 5000 and cut.retrieve == TOOL
+    assert whole.retrieve == TOOL  # an agent's request carries the tool from the first
+    rules, cache = (rules_with({"enabled": True, "excerpt_min_chars": 5000}, budget=50_000),
+                    HistoryCache(64 << 20, 100))
+    first = run(body, rules, history=cache)
+    assert first.plan is not None and not first.plan.dropped
+    last = orjson.loads(first.forward)["messages"][-1]["content"]
+    assert len(last) < 5000 and first.retrieve == TOOL
     (h,) = HANDLE.findall(last)
-    assert resolve(cut, h) == rows("big", 400)
+    assert resolve(first, h) == rows("big", 400)
+    later = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "ok"},
+                                  {"role": "user", "content": "and the next one?"}]}
+    second = run(later, rules, history=cache)
+    assert orjson.loads(second.forward)["messages"][len(body["messages"]) - 1]["content"] == last
 
 
 def test_page_goes_on_by_offset_and_says_where() -> None:
@@ -181,7 +192,7 @@ def test_append_edit_appends_to_tools_wherever_they_are(raw: bytes) -> None:
 
 
 def test_bad_retrieve_config_is_refused_with_its_key() -> None:
-    for bad in ({"tool_name": "has space"}, {"max_rounds": 0}, {"current_min_chars": 10},
+    for bad in ({"tool_name": "has space"}, {"max_rounds": 0}, {"excerpt_min_chars": 10},
                 {"surprise": 1}):
         with pytest.raises(RulesError, match="memory.retrieve"):
             rules_with({"enabled": True, **bad})
@@ -221,7 +232,7 @@ def test_a_marker_never_names_a_tool_the_request_lacks(
     if choice is not None:
         body["tool_choice"] = ({"type": {"none": "none", "required": "any"}.get(choice, choice)}
                                if wire == "messages" else choice)
-    rules = rules_with({"enabled": True, "current_min_chars": current}, budget=budget)
+    rules = rules_with({"enabled": True, "excerpt_min_chars": current}, budget=budget)
     d = run(body, rules, wire)
     text = d.forward.decode()
     named = TOOL in text
@@ -233,7 +244,7 @@ def test_a_marker_never_names_a_tool_the_request_lacks(
         assert resolve(d, h) is not None
     if choice not in (None, "auto"):
         assert not named and d.retrieve is None
-    off = run(body, rules_with({"enabled": False, "current_min_chars": current}, budget=budget),
+    off = run(body, rules_with({"enabled": False, "excerpt_min_chars": current}, budget=budget),
               wire)
     assert TOOL not in off.forward.decode()
 

@@ -936,7 +936,7 @@ async def test_retrieve_off_forwards_the_bytes_of_a_config_without_it(
     one a config without the retrieve section forwards, byte for byte (and enabled
     true would change it)."""
     off = {"enabled": False, "tool_name": "fetch_cut", "max_rounds": 1,
-           "current_min_chars": 2000, "max_result_chars": 500}
+           "excerpt_min_chars": 2000, "max_result_chars": 500}
     without = {k: v for k, v in MEMORY.items() if k != "retrieve"}
     sent = {}
     for name, memory in (("off", {**without, "retrieve": off}), ("absent", without),
