@@ -266,15 +266,21 @@ def _plan(d: Decision, rules: Rules, items: list[Any], recalled: list[str] | Non
         # the cut left (the fill left the note room when it ran: it fits, unless the
         # stable part alone leaves too little)
         assert d.note is not None
-        narrower = minus_note(prules, d)
-        # with the retrieval tool and no fill, a cut always brings the note (its line
-        # names the dropped turns' handle): the cut is made under the budget less the
-        # note every time, not only when the slack happens to be too small, which would
-        # move a stepped cut back and forth (a prompt-cache miss each time)
-        always = d.handles_in is not None and not prules.recall_share
-        if always or not _fits(d.plan, narrower.limits):
-            d.plan = plan(d.conv, narrower, d.planned_tokens, overhead_tokens=overhead,
-                          tokens_key=counted_by, text_of=text_of, cuttable=todo)
+        if not _note_fits(prules.limits, d):
+            # a budget smaller than the note alone (a few dozen tokens): the note is not
+            # forwarded, so what goes stays within the budget (no marker names the
+            # dropped turns' handle then)
+            d.note, d.snapshot, d.recalled = None, None, []
+        else:
+            narrower = minus_note(prules, d)
+            # with the retrieval tool and no fill, a cut always brings the note (its line
+            # names the dropped turns' handle): the cut is made under the budget less the
+            # note every time, not only when the slack happens to be too small, which
+            # would move a stepped cut back and forth (a prompt-cache miss each time)
+            always = d.handles_in is not None and not prules.recall_share
+            if always or not _fits(d.plan, narrower.limits):
+                d.plan = plan(d.conv, narrower, d.planned_tokens, overhead_tokens=overhead,
+                              tokens_key=counted_by, text_of=text_of, cuttable=todo)
     if (
         d.mode == "on"
         and d.plan.over_budget
@@ -326,6 +332,14 @@ def _fits(p: Plan, lim: Limits) -> bool:
         and (lim.max_chars is None or p.kept_chars - p.fixed_chars <= lim.max_chars)
         and (lim.max_messages is None or len(p.kept) <= lim.max_messages)
     )
+
+
+def _note_fits(lim: Limits, d: Decision) -> bool:
+    """Does the carry note alone fit every budget limit (on top of the floor)?"""
+    tokens, chars, messages = d.note_cost()
+    return ((lim.max_tokens is None or lim.tokens_whole or tokens < lim.max_tokens)
+            and (lim.max_chars is None or chars < lim.max_chars)
+            and (lim.max_messages is None or messages < lim.max_messages))
 
 
 def _input_began(conv: Conversation, wire: Wire, items: list[Any]) -> int | None:

@@ -405,10 +405,10 @@ class Memgate:
 
 
 def memgate_config(dest: Path, eviction: bool, max_tokens: int | None = None,
-                   retrieve: bool = False) -> Path:
+                   retrieve: bool | None = None) -> Path:
     """The shipped rules/gateway.yaml (and its companion files), with
-    `memory.enable_eviction` set as asked, `memory.budget.max_tokens` when given, and
-    `memory.retrieve.enabled: true` with `retrieve`; nothing else changed."""
+    `memory.enable_eviction` set as asked, and `memory.budget.max_tokens` and
+    `memory.retrieve.enabled` when given; nothing else changed."""
     dest.mkdir(parents=True, exist_ok=True)
     for f in SHIPPED_CONFIG.parent.glob("*.yaml"):
         shutil.copy(f, dest / f.name)
@@ -419,9 +419,10 @@ def memgate_config(dest: Path, eviction: bool, max_tokens: int | None = None,
     if max_tokens is not None:
         new, n = re.subn(r"(?m)^(    max_tokens: )\d+", rf"\g<1>{max_tokens}", new)
         assert n == 1, "rules/gateway.yaml: `    max_tokens: N` not found"
-    if retrieve:
-        new, n = re.subn(r"(?m)^(  retrieve:.*\n    enabled: )false\b", r"\g<1>true", new)
-        assert n == 1, "rules/gateway.yaml: `  retrieve:` + `    enabled: false` not found"
+    if retrieve is not None:
+        new, n = re.subn(r"(?m)^(  retrieve:.*\n    enabled: )(?:true|false)\b",
+                         rf"\g<1>{str(retrieve).lower()}", new)
+        assert n == 1, "rules/gateway.yaml: `  retrieve:` + `    enabled: ...` not found"
     (dest / "gateway.yaml").write_text(new, encoding="utf-8")
     return dest / "gateway.yaml"
 
@@ -557,7 +558,7 @@ class Session:
 
 async def run_session(client: str, binary: Path, workdir: Path, eviction: bool,
                       trace: bool | None = None, max_tokens: int | None = None,
-                      retrieve: bool = False) -> Session:
+                      retrieve: bool | None = None) -> Session:
     """The client's two tasks (TASK1, then TASK2 continuing the same session) through a
     fresh memgate and mock model (memgate_config's settings); every process started here
     is stopped here."""
