@@ -74,9 +74,9 @@ VARIANTS = {
     # eviction and shadow off: every request is still measured, recorded and logged (the
     # [mem] line), forwarded before it is measured; the floor of the eviction-on figures
     "memgate-off": "off",
-    # memory.retrieve on: cut requests carry the retrieval tool (the mock upstream never
-    # calls it): what the tool costs a request that needs no retrieval
-    "memgate-retrieve": "retrieve",
+    # memory.retrieve off (shipped on): beside `memgate`, what the retrieval tool costs a
+    # request that needs no retrieval (the mock upstream never calls it)
+    "memgate-noretrieve": "noretrieve",
 }
 
 
@@ -108,8 +108,8 @@ def memgate_config(where: Path, tenant: str | None = "bench", variant: str = "")
     data.setdefault("tenants", {})["anonymous"] = tenant
     if variant == "nofill":
         data["memory"]["eviction"]["recall_share"] = 0.0
-    elif variant == "retrieve":
-        data["memory"].setdefault("retrieve", {})["enabled"] = True
+    elif variant == "noretrieve":
+        data["memory"].setdefault("retrieve", {})["enabled"] = False
     elif variant == "off":
         data["memory"]["enable_eviction"] = False
         data["memory"]["shadow"] = False
