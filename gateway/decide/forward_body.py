@@ -17,7 +17,7 @@ from gateway.decide.decision import Decision, current_turn_start
 from gateway.decide.splice import spans_of
 from gateway.measure.conversation import Conversation
 from gateway.policy import Plan
-from gateway.wire.jsonbytes import Span
+from gateway.wire.jsonbytes import Span, append_edit, apply
 from gateway.wire.retrieve_tool import tool_def
 
 
@@ -27,6 +27,15 @@ def build_forward(d: Decision, rules: Rules, items: list[Any]) -> None:
     assert d.conv is not None
     wire, raw, payload = d.wire, d.raw, d.payload
     tool = _tool(rules, wire) if d.retrieve is not None else None
+    if (tool is not None and d.plan is not None and not d.conv.has_metadata
+            and not (d.plan.dropped or d.note or d.compacted)):
+        # nothing cut: the client's bytes with the retrieval tool appended, no item read
+        try:
+            d.forward = apply(raw, [append_edit(raw, payload, "tools", tool,
+                                                _known_spans(d, rules))])
+        except (IndexError, ValueError):
+            _forward(d, None)
+        return
     if d.mode == "on" and d.plan is not None and (d.plan.dropped or d.note or d.compacted
                                                   or tool is not None):
         marker_at, ttl = None, None

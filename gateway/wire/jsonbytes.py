@@ -268,21 +268,50 @@ def append_edit(raw: bytes, payload: dict[str, Any], name: str, value: bytes,
     start = ws(raw, 0)
     if name not in payload:
         return (start + 1, start + 1, b'"' + name.encode() + b'":[' + value + b"],")
-    view, shift, at = raw, 0, -1
+    v = -1
     if spans:  # the history list replaced by [] while the top level is read
         at = raw.rfind(b"[", 0, spans[0][0])
         end = raw.index(b"]", spans[-1][1]) + 1
-        view, shift = raw[:at] + b"[]" + raw[end:], end - at - 2
-    # the other lists' values not compared with their parse (the history's is not there)
-    values = {k: v for k, v in payload.items() if k == name or type(v) is not list}
-    found = [m for m in members(view, ws(view, 0), values) if m.name == name]
-    if not found:
-        raise ValueError(f"no member {name}")
-    m = found[-1]  # the one orjson read
-    close = m.end - 1
-    if view[close] != 0x5D:
+        view = raw[:at] + b"[]" + raw[end:]
+        values = {k: x for k, x in payload.items() if k == name or type(x) is not list}
+        found = [m.value for m in members(view, ws(view, 0), values) if m.name == name]
+        if found:
+            v = found[-1] + (end - at - 2 if found[-1] > at else 0)
+    else:
+        v = _last_member(raw, name, payload[name])
+    if v < 0:  # the whole top level read (the one orjson read: the last)
+        found = [m.value for m in members(raw, start, payload) if m.name == name]
+        v = found[-1] if found else -1
+    if v < 0 or raw[v] != 0x5B:
         raise ValueError(f"{name} is not a list")
-    empty = view[ws(view, m.value + 1)] == 0x5D
-    if at >= 0 and m.value > at:
-        close += shift
+    close = _end(raw, v, _dumped(payload[name])) - 1
+    empty = raw[ws(raw, v + 1)] == 0x5D
     return (close, close, value if empty else b"," + value)
+
+
+def _last_member(raw: bytes, name: str, value: Any = None) -> int:
+    """Where the value of the top-level member `name` starts, when it is the last such
+    quoted text in `raw` (found from the end: clients put tools after the messages)
+    and only top-level members follow it to the object's end; -1 otherwise. `value`:
+    its parse (a compactly written one is passed over in one comparison)."""
+    key = b'"' + name.encode() + b'"'
+    k = raw.rfind(key)
+    if k < 0:
+        return -1
+    colon = ws(raw, k + len(key))
+    if raw[colon] != 0x3A:
+        return -1
+    v = ws(raw, colon + 1)
+    try:
+        j = ws(raw, _end(raw, v, _dumped(value)))
+        while raw[j] == 0x2C:  # the members after it: "key": value, each at the top
+            j = ws(raw, j + 1)
+            if raw[j] != 0x22:
+                return -1
+            j = ws(raw, string_end(raw, j))
+            if raw[j] != 0x3A:
+                return -1
+            j = ws(raw, value_end(raw, ws(raw, j + 1)))
+    except (IndexError, ValueError):
+        return -1
+    return v if raw[j] == 0x7D and ws(raw, j + 1) == len(raw) else -1

@@ -270,3 +270,39 @@ def test_a_query_gives_the_passages_that_hold_its_words() -> None:
     assert "size 629" in both and "size 14430" in both and len(both) < 2000
     assert "no passage holds" in passages(text, "zebra")
     assert passages("abc", "abc") == "abc"
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=st.booleans(), indent=st.sampled_from([None, 1]),
+       decoy=st.sampled_from(["none", "key", "value", "both"]), empty=st.booleans(),
+       after=st.lists(st.sampled_from(["stream", "user", "metadata"]), unique=True),
+       spans=st.booleans())
+def test_append_edit_finds_the_top_level_list_among_decoys(
+        before: bool, indent: int | None, decoy: str, empty: bool, after: list[str],
+        spans: bool) -> None:
+    """Whatever the key order, the spelling and the lookalikes inside the history (a
+    nested "tools" key, a "tools" string): the top-level list gets the value, nothing
+    else changes."""
+    content: Any = "hi"
+    if decoy in ("key", "both"):
+        content = [{"type": "text", "text": "x", "tools": [{"a": 1}]}]
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": content}]
+    if decoy in ("value", "both"):
+        msgs.append({"role": "assistant", "content": "tools"})
+    tools: list[Any] = [] if empty else [{"type": "function", "function": {"name": "f"}}]
+    body: dict[str, Any] = {"model": "m"}
+    if before:
+        body["tools"] = tools
+    body["messages"] = msgs
+    if not before:
+        body["tools"] = tools
+    extra = {"stream": True, "user": "u", "metadata": {"tools": "x"}}
+    body.update({k: extra[k] for k in after})
+    raw = (json.dumps(body, indent=indent) if indent else orjson.dumps(body).decode()).encode()
+    found: list[tuple[int, int]] | None = None
+    if spans:
+        at = raw.index(b'"messages"')
+        from gateway.wire.jsonbytes import elements, ws
+        found = elements(raw, ws(raw, raw.index(b"[", at)))
+    out = orjson.loads(apply(raw, [append_edit(raw, body, "tools", b'{"t":1}', found)]))
+    assert out == {**body, "tools": [*tools, {"t": 1}]}
