@@ -177,6 +177,8 @@ async def _whole(loop: Loop, up_resp: aiohttp.ClientResponse) -> web.StreamRespo
         if request.transport is not None:
             request.transport.close()
         return resp
+    if loop.tool.encode() not in raw:  # no call of it (most answers): relayed as it came
+        return await _write(request, resp, raw, info, d.wire.name)
     try:
         answer = orjson.loads(raw)
         rnd = loop.answers.read(answer, loop.tool)
