@@ -105,6 +105,14 @@ class Answers(Protocol):
         ...
 
 
+def rounds_usage(answers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Every round's `usage` summed (usage_sum); None when none sent any."""
+    usage = None
+    for answer in answers:
+        usage = usage_sum(usage, answer.get("usage"))
+    return usage
+
+
 def usage_sum(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
     """Two rounds' usage as one: numbers added, nested objects summed alike; any other
     value (a service tier, a null) the first's, else the second's. A fresh dict."""

@@ -16,7 +16,14 @@ from typing import Any
 
 import orjson
 
-from gateway.wire.answers import Call, Round, SseRounds, loads_object, sse, usage_sum
+from gateway.wire.answers import (
+    Call,
+    Round,
+    SseRounds,
+    loads_object,
+    rounds_usage,
+    sse,
+)
 
 _STOP = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 # the usage fields a message_delta carries (cumulative: they replace message_start's)
@@ -56,9 +63,7 @@ class MessagesAnswers:
             out.update(stop_reason="end_turn", stop_sequence=None)
             if "stop_details" in out:
                 out["stop_details"] = None
-        usage = None
-        for answer in answers:
-            usage = usage_sum(usage, answer.get("usage"))
+        usage = rounds_usage(answers)
         if usage is not None:
             out["usage"] = usage
         return out

@@ -13,7 +13,14 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.wire.answers import Call, Round, SseRounds, loads_object, sse, usage_sum
+from gateway.wire.answers import (
+    Call,
+    Round,
+    SseRounds,
+    loads_object,
+    rounds_usage,
+    sse,
+)
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -56,9 +63,7 @@ class ChatAnswers:
         texts = [m.get("content") for m in map(_message, answers)]
         calls = [c for m in map(_message, answers) for c in m.get("tool_calls") or []
                  if _name(c) != name]
-        usage = None
-        for answer in answers:
-            usage = usage_sum(usage, answer.get("usage"))
+        usage = rounds_usage(answers)
         choice = out["choices"][0]
         message = choice["message"]
         message["content"] = "".join(t for t in texts if isinstance(t, str)) or None

@@ -14,7 +14,14 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from gateway.wire.answers import Call, Round, SseRounds, loads_object, sse, usage_sum
+from gateway.wire.answers import (
+    Call,
+    Round,
+    SseRounds,
+    loads_object,
+    rounds_usage,
+    sse,
+)
 
 # the output items the client runs (the retrieval tool's calls are function calls)
 _CLIENT_CALLS = frozenset(("function_call", "custom_tool_call", "computer_call",
@@ -62,9 +69,7 @@ class ResponsesAnswers:
                          if not _is_ours(i, name)]
         out.update({k: copy.deepcopy(answers[-1][k]) for k in _LAST if k in answers[-1]})
         _ended(out, end)
-        usage = None
-        for answer in answers:
-            usage = usage_sum(usage, answer.get("usage"))
+        usage = rounds_usage(answers)
         if usage is not None:
             out["usage"] = usage
         return out

@@ -140,15 +140,16 @@ def _text_of(content: Any) -> str:
     return ""
 
 
-def _strings(value: Any) -> Iterator[str]:
+def strings_in(value: Any) -> Iterator[str]:
+    """Every string inside a parsed JSON value, depth first."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _strings(v)
+            yield from strings_in(v)
     elif isinstance(value, list):
         for v in value:
-            yield from _strings(v)
+            yield from strings_in(v)
 
 
 def named_handles(body: dict[str, Any]) -> list[str]:
@@ -157,7 +158,7 @@ def named_handles(body: dict[str, Any]) -> list[str]:
     out: list[str] = []
     for key, value in body.items():
         if key != "tools":
-            for text in _strings(value):
+            for text in strings_in(value):
                 out += [h for h in HANDLE_RE.findall(text) if h not in out]
     return out
 

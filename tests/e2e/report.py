@@ -8,11 +8,10 @@ Used by test_agent_clis.py and probe.py; the report is data for issue #41, not a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 from tests.e2e.harness import TASK1, Session, WireRequest, mem_fields
-from tests.e2e.mock_model import AGENTS_MD_MARK, CLAUDE_MD_MARK
+from tests.e2e.mock_model import AGENTS_MD_MARK, CLAUDE_MD_MARK, strings_in
 
 HOP_BY_HOP = frozenset(("connection", "keep-alive", "transfer-encoding", "te", "trailer",
                         "upgrade", "proxy-connection", "proxy-authorization", "host",
@@ -95,22 +94,11 @@ def byte_differences(session: Session) -> list[str]:
 # ---------------------------------------------------------------------------- report
 
 
-def _strings(value: Any) -> Iterator[str]:
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _strings(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from _strings(v)
-
-
 def _texts(req: WireRequest | None) -> str:
     if req is None:
         return ""
     body = req.json()
-    return "\n\x00".join(_strings(body)) if body is not None else ""
+    return "\n\x00".join(strings_in(body)) if body is not None else ""
 
 
 def opening_context(client: str, sent: list[WireRequest]) -> list[str]:
@@ -133,7 +121,7 @@ def opening_context(client: str, sent: list[WireRequest]) -> list[str]:
         for item in items:
             if not isinstance(item, dict) or item.get("role") != "user":
                 continue
-            text = "\n".join(_strings(item.get("content")))
+            text = "\n".join(strings_in(item.get("content")))
             if "TASK1" in text:
                 break
             for part in item.get("content") or []:
