@@ -266,10 +266,10 @@ def _plan(d: Decision, rules: Rules, items: list[Any], recalled: list[str] | Non
         # the cut left (the fill left the note room when it ran: it fits, unless the
         # stable part alone leaves too little)
         assert d.note is not None
-        if not _note_fits(prules.limits, d):
-            # a budget smaller than the note alone (a few dozen tokens): the note is not
-            # forwarded, so what goes stays within the budget (no marker names the
-            # dropped turns' handle then)
+        if d.handles_in is not None and not _note_fits(prules.limits, d):
+            # a budget smaller than the note alone (with the retrieval line every note is
+            # a few dozen tokens): the note is not forwarded, so what goes stays within
+            # the budget (no marker names the dropped turns' handle then)
             d.note, d.snapshot, d.recalled = None, None, []
         else:
             narrower = minus_note(prules, d)

@@ -14,6 +14,7 @@ the cached prefix changes at most once. No I/O, no logging.
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any
 
 from gateway.config.schema import Rules
@@ -124,13 +125,10 @@ def passages(text: str, query: str, around: int = AROUND) -> str:
     with `around` characters either side, overlapping ones joined, in the text's order,
     a line between them saying how much was skipped. No match: a line saying so."""
     terms = list(dict.fromkeys(w for w in query.casefold().split() if w))[:MAX_TERMS]
-    low = text.casefold()
     spans: list[tuple[int, int]] = []
-    for t in terms:
-        at = low.find(t)
-        while at >= 0:
-            spans.append((max(0, at - around), min(len(text), at + len(t) + around)))
-            at = low.find(t, at + len(t))
+    for t in terms:  # matched in the text itself: its offsets are the text's
+        for m in re.finditer(re.escape(t), text, re.IGNORECASE):
+            spans.append((max(0, m.start() - around), min(len(text), m.end() + around)))
     if not spans:
         return f"[memgate: no passage holds {query!r}; call again without a query for all]"
     spans.sort()

@@ -212,8 +212,9 @@ async def _relay_planned(f: _Flight, up: Upstream, d: Decision) -> web.StreamRes
 
     try:
         if d.retrieve is not None:
-            return await relay_retrieving(f.request, f.state.pool, up, f.rules, d, f.info,
-                                          _fallback_body(f.rules, d), sent, _archive(f))
+            return await relay_retrieving(
+                f.request, f.state.pool, up, f.rules, d, f.info, _fallback_body(f.rules, d),
+                sent, _archive(f), f.span.upstream(f.request, up) if f.span else None)
         return await relay(f.request, f.state.pool, up, d.forward, f.info,
                            f.span.upstream(f.request, up) if f.span else None,
                            credential_headers=f.rules.tenants.credential_headers,

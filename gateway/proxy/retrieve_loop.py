@@ -49,6 +49,10 @@ from gateway.wire.answers_by_wire import ANSWERS
 from gateway.wire.retrieve_tool import next_body
 
 MAX_ANSWER_BYTES = 32 << 20  # of one non-streaming round read whole
+MAX_CALLS = 8  # retrieval calls answered in one round (the rest are told to call again)
+# what reading an upstream answer of an unexpected shape raises
+UNREADABLE = (orjson.JSONDecodeError, TypeError, ValueError, KeyError, IndexError,
+              AttributeError)
 # the store's record of a handle: (tenant, session, handle) -> its text, or None
 Archived = Callable[[str], Awaitable[str | None]]
 
@@ -68,6 +72,7 @@ class Loop:
     d: Decision
     info: Relayed
     archived: Archived | None  # the tenant's archive, this session's records
+    extra_headers: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         self.answers: Answers = ANSWERS[self.d.wire.name]
@@ -102,9 +107,12 @@ class Loop:
         """Answer the round's calls and ask the upstream again: (the body sent, the
         upstream's answer, status 200). Raises RoundFailed."""
         self.rounds += 1
-        results = [(c.id, await self.answer(c)) for c in rnd.ours]
+        results = [(c.id, await self.answer(c)) for c in rnd.ours[:MAX_CALLS]]
+        results += [(c.id, f"[memgate: at most {MAX_CALLS} {self.tool} calls are answered at "
+                           "once; call again for this one]") for c in rnd.ours[MAX_CALLS:]]
         body = next_body(self.d.wire, sent, rnd.turn, results, self.rounds >= self.limit)
-        headers = upstream_headers(self.request, self.up, self.rules.tenants.credential_headers)
+        headers = upstream_headers(self.request, self.up, self.rules.tenants.credential_headers,
+                                   self.extra_headers)
         headers["Accept-Encoding"] = "identity"
         t0 = time.perf_counter()
         try:
@@ -129,11 +137,12 @@ class Loop:
 async def relay_retrieving(
     request: web.Request, pool: UpstreamPool, up: Upstream, rules: Rules, d: Decision,
     info: Relayed, original: bytes | None, on_sent: Callable[[], None] | None,
-    archived: Archived | None,
+    archived: Archived | None, extra_headers: dict[str, str] | None = None,
 ) -> web.StreamResponse:
-    """Forward `d.forward`, which carries the retrieval tool, and answer its calls."""
+    """Forward `d.forward`, which carries the retrieval tool, and answer its calls
+    (`extra_headers`: the trace context, on every round)."""
     wire = d.wire
-    headers = upstream_headers(request, up, rules.tenants.credential_headers)
+    headers = upstream_headers(request, up, rules.tenants.credential_headers, extra_headers)
     headers["Accept-Encoding"] = "identity"  # the answer is read here
     t0 = time.perf_counter()
     up_resp = await send(request, pool, up, d.forward, info, headers, original, on_sent)
@@ -144,7 +153,7 @@ async def relay_retrieving(
             "text/event-stream", "application/json"):
         # an error, or the client's own body resent (it carries no tool)
         return await pass_on(request, up_resp, info, wire.stream_ends, wire.name)
-    loop = Loop(request, pool, up, rules, d, info, archived)
+    loop = Loop(request, pool, up, rules, d, info, archived, extra_headers)
     if ctype == "text/event-stream":
         return await _streamed(loop, up_resp)
     return await _whole(loop, up_resp)
@@ -181,10 +190,10 @@ async def _whole(loop: Loop, up_resp: aiohttp.ClientResponse) -> web.StreamRespo
         return await _write(request, resp, raw, info, d.wire.name)
     try:
         answer = orjson.loads(raw)
-        rnd = loop.answers.read(answer, loop.tool)
-    except (orjson.JSONDecodeError, TypeError, ValueError, KeyError):
-        answer, rnd = None, None
-    if answer is None or rnd is None or not rnd.ours:
+        rnd = loop.answers.read(answer, loop.tool) if isinstance(answer, dict) else None
+    except UNREADABLE:
+        rnd = None
+    if rnd is None or not rnd.ours:
         return await _write(request, resp, raw, info, d.wire.name)
     rounds, sent = [answer], orjson.loads(d.forward)
     while rnd.ours and not rnd.others and loop.rounds < loop.limit:
@@ -194,10 +203,17 @@ async def _whole(loop: Loop, up_resp: aiohttp.ClientResponse) -> web.StreamRespo
             if body is None:
                 raise RoundFailed("broken_answer")
             answer = orjson.loads(body)
-            rnd = loop.answers.read(answer, loop.tool)
-        except (RoundFailed, orjson.JSONDecodeError, TypeError, ValueError, KeyError) as exc:
-            info.retrieve_error = str(exc) if isinstance(exc, RoundFailed) else "unreadable"
+            if not _an_answer(d.wire.name, answer):  # an error object answered 200
+                raise RoundFailed("unreadable")
+            got = loop.answers.read(answer, loop.tool)
+            loop.answers.merge([*rounds, answer], loop.tool)  # one the merge cannot read
+        except RoundFailed as exc:  # is a failed round, not a 500 after the rounds
+            info.retrieve_error = str(exc)
             break
+        except UNREADABLE:
+            info.retrieve_error = "unreadable"
+            break
+        rnd = got
         usage = reader_for(d.wire.name, 200, nxt.headers)
         if usage is not None:
             usage.feed(body)
@@ -206,6 +222,19 @@ async def _whole(loop: Loop, up_resp: aiohttp.ClientResponse) -> web.StreamRespo
     info.retrieve_rounds = loop.rounds
     merged = loop.answers.merge(rounds, loop.tool, end=bool(rnd.ours) and not rnd.others)
     return await _write(request, resp, orjson.dumps(merged), info, d.wire.name)
+
+
+def _an_answer(wire: str, answer: Any) -> bool:
+    """Is this JSON an answer of the wire (not an error object some routers send as a
+    200)?"""
+    if not isinstance(answer, dict):
+        return False
+    if wire == "anthropic_messages":
+        return answer.get("type") == "message" and isinstance(answer.get("content"), list)
+    if wire == "openai_responses":
+        return isinstance(answer.get("output"), list)
+    choices = answer.get("choices")
+    return isinstance(choices, list) and bool(choices)
 
 
 async def _write(request: web.Request, resp: web.StreamResponse, body: bytes, info: Relayed,
@@ -265,15 +294,19 @@ async def _streamed(loop: Loop, up_resp: aiohttp.ClientResponse) -> web.StreamRe
                     if own is not None:
                         own.feed(chunk)
                     await out(merge.feed(chunk))
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            return False
+        except (TimeoutError, aiohttp.ClientError, OSError, *UNREADABLE):
+            return False  # (an event of a shape the merge cannot read: as broken off)
         finally:
             if own is not None:
                 loop.count(own.result())
         return True
 
     try:
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+        except BaseException:
+            up_resp.release()
+            raise
         whole = await pump(up_resp, False)
         rnd = merge.round_end() if whole else None
         if not whole:

@@ -282,6 +282,8 @@ def append_edit(raw: bytes, payload: dict[str, Any], name: str, value: bytes,
     if v < 0:  # the whole top level read (the one orjson read: the last)
         found = [m.value for m in members(raw, start, payload) if m.name == name]
         v = found[-1] if found else -1
+    if v >= 0 and payload[name] is None and raw.startswith(b"null", v):
+        return (v, v + 4, b"[" + value + b"]")  # "tools": null, as some SDKs send unset
     if v < 0 or raw[v] != 0x5B:
         raise ValueError(f"{name} is not a list")
     close = _end(raw, v, _dumped(payload[name])) - 1

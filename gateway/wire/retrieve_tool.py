@@ -62,7 +62,8 @@ def forbids(wire: Wire, payload: dict[str, Any], rules: RetrieveRules,
     """Why this request must not get the tool (None: it may): the client's own tool of
     that name; a tool_choice other than the model's free choice (none, a forced or an
     allowed-list choice, required / any: the model would be pushed to call it); several
-    choices (chat `n`); a model that takes no tools."""
+    choices (chat `n`); a Responses request the provider stores (`store` not false: its
+    id may be chained onto later); a model that takes no tools."""
     if not rules.takes_tools(model):
         return "model_without_tools"
     tools = payload.get("tools")
@@ -77,6 +78,11 @@ def forbids(wire: Wire, payload: dict[str, Any], rules: RetrieveRules,
     n = payload.get("n")
     if wire.name == "openai_chat" and n is not None and n != 1:
         return "n_choices"
+    if wire.name == "openai_responses" and payload.get("store") is not False:
+        # the provider keeps each round's response: the client, given the first one's
+        # id, could chain a later request onto a response that ends in a call of a tool
+        # it never answered (or the rounds would land in its conversation)
+        return "stored_response"
     return None
 
 
@@ -87,7 +93,7 @@ def next_body(wire: Wire, sent: dict[str, Any], turn: list[dict[str, Any]],
     `final`, the model is asked to answer without tools (tool_choice none)."""
     body = dict(sent)
     key = wire.items_key
-    items = list(body.get(key) or [])
+    items = list(wire.items(body) or [])  # (a Responses `input` string: its one message)
     items += turn
     if wire.name == "anthropic_messages":
         items.append({"role": "user", "content": [

@@ -256,8 +256,12 @@ def test_forbids_reads_each_wires_tool_choice() -> None:
     assert forbids(a, {"tool_choice": {"type": "any"}}, r, "claude-x") == "tool_choice"
     assert forbids(a, {"tools": [{"name": TOOL}]}, r, "claude-x") == "name_taken"
     resp = WIRES["responses"]
-    assert forbids(resp, {"tool_choice": "auto"}, r, "gpt-4o") is None
-    assert forbids(resp, {"tool_choice": {"type": "allowed_tools"}}, r, "gpt-4o") == "tool_choice"
+    assert forbids(resp, {"tool_choice": "auto", "store": False}, r, "gpt-4o") is None
+    # a response the provider keeps may be chained onto by id: never one ending in our call
+    assert forbids(resp, {"tool_choice": "auto"}, r, "gpt-4o") == "stored_response"
+    assert forbids(resp, {"store": True}, r, "gpt-4o") == "stored_response"
+    assert forbids(resp, {"tool_choice": {"type": "allowed_tools"}, "store": False}, r,
+                   "gpt-4o") == "tool_choice"
     assert forbids(WIRES["chat"], {"n": 2}, r, "gpt-4o") == "n_choices"
 
 
@@ -306,3 +310,22 @@ def test_append_edit_finds_the_top_level_list_among_decoys(
         found = elements(raw, ws(raw, raw.index(b"[", at)))
     out = orjson.loads(apply(raw, [append_edit(raw, body, "tools", b'{"t":1}', found)]))
     assert out == {**body, "tools": [*tools, {"t": 1}]}
+
+
+def test_tools_null_gets_the_tool_in_its_place() -> None:
+    """`"tools": null` (an unset field some SDKs send) is the tool's list, not a reason
+    to give up the cut."""
+    body = {**agent_chat(), "tools": None}
+    d = run(body, rules_with({"enabled": True}))
+    assert d.skip_reason is None and d.plan is not None and d.plan.dropped
+    sent = orjson.loads(d.forward)
+    assert [t["function"]["name"] for t in sent["tools"]] == [TOOL]
+    assert len(sent["messages"]) < len(body["messages"])
+
+
+def test_passages_find_words_after_text_that_folds_longer() -> None:
+    """Matches are found in the text itself: characters whose case-folded form is longer
+    (ß, İ) before a match do not shift it."""
+    for pad in ("ß" * 400, "İ" * 700):
+        got = passages(pad + "x" * 10 + "NEEDLE here", "needle")
+        assert "NEEDLE here" in got

@@ -111,7 +111,9 @@ def conversation(wire: str, result: str | None = None, n_turns: int = 3) -> dict
     for q, a in turns(n_turns):
         items += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     items.append({"role": "user", "content": LAST_QUESTION})
-    return {"instructions": "You are terse.", "input": items, "tools": [
+    # store false, as agents send it (Codex): a stored response may be chained onto by id,
+    # and memgate then never adds its tool (test_a_stored_response_gets_no_tool)
+    return {"instructions": "You are terse.", "input": items, "store": False, "tools": [
         {"type": "function", "name": "read_file", "strict": False, "parameters": {
             "type": "object", "properties": {"path": {"type": "string"}},
             "required": ["path"]}}]}
@@ -224,6 +226,7 @@ class Model:
     always: bool = False
     mixed: bool = False
     fail_from: int | None = None
+    fail_status: int = 500  # 200: an error object as a 200 (some routers answer so)
     obeys_none: bool = True
     delta_output_only: bool = False  # Anthropic: message_delta counts output tokens only
     received: list[bytes] = field(default_factory=list)
@@ -421,7 +424,8 @@ async def model(aiohttp_server: Any) -> Model:
             n = len(m.received)
             if m.fail_from is not None and n >= m.fail_from:
                 return web.json_response({"type": "error", "error": {
-                    "type": "api_error", "message": "Internal server error"}}, status=500)
+                    "type": "api_error", "message": "Internal server error"}},
+                    status=m.fail_status)
             body = orjson.loads(raw)
             parts, calls = m.turn(wire, body)
             usage = usage_of(wire, n)
@@ -888,6 +892,19 @@ async def test_a_failed_round_ends_the_answer_so_far(
     assert len(model.received) == 2 and same_usage(got.usage, model.usage[0])
     ev = (await gw.wait_mem(1))[-1]
     assert ev["status"] == "200" and ev["retrieve_error"] == "status_500"
+
+
+@pytest.mark.parametrize("wire", WIRES)
+async def test_a_round_answered_200_with_an_error_object_is_a_failed_round(
+        gateway: GatewayFactory, model: Model, wire: str) -> None:
+    """Round 2 comes back 200 with an error object (no choices / content / output): the
+    client still gets round 1's text as one well-formed answer, never a 500."""
+    model.fail_from, model.fail_status = 2, 200
+    gw = await start(gateway, model)
+    got = await ask(gw, wire, False)
+    assert got.text == PREAMBLE and got.calls == [] and got.stop == END[wire]
+    ev = (await gw.wait_mem(1))[-1]
+    assert ev["status"] == "200" and ev["retrieve_error"] == "unreadable"
 
 
 @pytest.mark.parametrize(("wire", "stream"), PARAMS)
