@@ -329,3 +329,16 @@ def test_passages_find_words_after_text_that_folds_longer() -> None:
     for pad in ("ß" * 400, "İ" * 700):
         got = passages(pad + "x" * 10 + "NEEDLE here", "needle")
         assert "NEEDLE here" in got
+
+
+def test_the_next_round_keeps_a_responses_input_string_as_its_message() -> None:
+    """Round 2 of a Responses request whose `input` is a string: that string is the first
+    item (not its characters), then the model's turn and memgate's answer."""
+    from gateway.wire.retrieve_tool import next_body
+    sent = {"model": "gpt-4o", "input": "what is in /srv?", "store": False}
+    turn = [{"type": "function_call", "call_id": "c1", "name": TOOL, "arguments": "{}"}]
+    out = orjson.loads(next_body(WIRES["responses"], sent, turn, [("c1", "the text")], True))
+    assert out["input"] == [{"role": "user", "content": "what is in /srv?"}, *turn,
+                            {"type": "function_call_output", "call_id": "c1",
+                             "output": "the text"}]
+    assert out["tool_choice"] == "none"
