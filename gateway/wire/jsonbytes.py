@@ -268,7 +268,7 @@ def append_edit(raw: bytes, payload: dict[str, Any], name: str, value: bytes,
     start = ws(raw, 0)
     if name not in payload:
         return (start + 1, start + 1, b'"' + name.encode() + b'":[' + value + b"],")
-    v = -1
+    v, spelled = -1, _dumped(payload[name])
     if spans:  # the history list replaced by [] while the top level is read
         at = raw.rfind(b"[", 0, spans[0][0])
         end = raw.index(b"]", spans[-1][1]) + 1
@@ -278,7 +278,7 @@ def append_edit(raw: bytes, payload: dict[str, Any], name: str, value: bytes,
         if found:
             v = found[-1] + (end - at - 2 if found[-1] > at else 0)
     else:
-        v = _last_member(raw, name, payload[name])
+        v = _last_member(raw, name, spelled)
     if v < 0:  # the whole top level read (the one orjson read: the last)
         found = [m.value for m in members(raw, start, payload) if m.name == name]
         v = found[-1] if found else -1
@@ -286,16 +286,17 @@ def append_edit(raw: bytes, payload: dict[str, Any], name: str, value: bytes,
         return (v, v + 4, b"[" + value + b"]")  # "tools": null, as some SDKs send unset
     if v < 0 or raw[v] != 0x5B:
         raise ValueError(f"{name} is not a list")
-    close = _end(raw, v, _dumped(payload[name])) - 1
+    close = _end(raw, v, spelled) - 1
     empty = raw[ws(raw, v + 1)] == 0x5D
     return (close, close, value if empty else b"," + value)
 
 
-def _last_member(raw: bytes, name: str, value: Any = None) -> int:
+def _last_member(raw: bytes, name: str, spelled: bytes | None) -> int:
     """Where the value of the top-level member `name` starts, when it is the last such
     quoted text in `raw` (found from the end: clients put tools after the messages)
-    and only top-level members follow it to the object's end; -1 otherwise. `value`:
-    its parse (a compactly written one is passed over in one comparison)."""
+    and only top-level members follow it to the object's end; -1 otherwise. `spelled`:
+    its value as orjson writes it (_dumped: a compactly written one is passed over in
+    one comparison)."""
     key = b'"' + name.encode() + b'"'
     k = raw.rfind(key)
     if k < 0:
@@ -305,7 +306,7 @@ def _last_member(raw: bytes, name: str, value: Any = None) -> int:
         return -1
     v = ws(raw, colon + 1)
     try:
-        j = ws(raw, _end(raw, v, _dumped(value)))
+        j = ws(raw, _end(raw, v, spelled))
         while raw[j] == 0x2C:  # the members after it: "key": value, each at the top
             j = ws(raw, j + 1)
             if raw[j] != 0x22:
